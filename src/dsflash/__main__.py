@@ -1,0 +1,5 @@
+import sys
+
+from dsflash.cli.main import main
+
+sys.exit(main())
