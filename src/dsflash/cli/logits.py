@@ -1,0 +1,75 @@
+"""`dsflash logits MODEL --tokens FILE --out OUT.npz`: teacher-forced logits in the golden-file format."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from dsflash.errors import InvalidRequest
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "logits",
+        help="write prefill and teacher-forced decode logits of a token file",
+        description="Write prefill_logits [T, V] (one forward over all T tokens) and decode_logits [T-P, V] "
+        "(prefill P tokens, then one decode step per remaining token) as float32 arrays in an .npz.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", help="model directory or Hub repo id[@revision]")
+    p.add_argument("--tokens", required=True, type=Path, help='JSON file {"tokens": [...], "prefill": P}')
+    p.add_argument("--out", required=True, type=Path, help="output .npz")
+    p.add_argument("--backend", choices=["reference"], default="reference", help="what computes the logits")
+    p.add_argument("--no-qat", action="store_true", help="turn off the model's fake-quant points")
+    p.set_defaults(run=run)
+
+
+def read_tokens(path: Path) -> tuple[list[int], int]:
+    """{"tokens": [...], "prefill": P} (or the fixtures' {"ids": [...], "prefill_len": P})."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise InvalidRequest(f"no such token file: {path}") from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f'{path}: expected an object {{"tokens": [...], "prefill": P}}')
+    tokens = raw.get("tokens", raw.get("ids"))
+    prefill = raw.get("prefill", raw.get("prefill_len"))
+    if not isinstance(tokens, list) or not tokens or not all(type(t) is int for t in tokens):
+        raise InvalidRequest(f"{path}: 'tokens' must be a non-empty list of integers")
+    if type(prefill) is not int or not 1 <= prefill <= len(tokens):
+        raise InvalidRequest(f"{path}: 'prefill' must be an integer in 1..{len(tokens)}, got {prefill!r}")
+    return tokens, prefill
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from dsflash.runtime.scoring import decode_logits, prefill_logits
+    from dsflash.service import open_reference
+
+    tokens, prefill = read_tokens(args.tokens)
+    _, ref = open_reference(args.model, qat=not args.no_qat, dspark=False)
+    state = ref.model.new_state(len(tokens))
+
+    def forward(t, start_pos, fresh):
+        if fresh:
+            state.reset()
+        return ref.model(t, start_pos, state, ref.experts)
+
+    out = {"prefill_logits": prefill_logits(forward, tokens), "decode_logits": decode_logits(forward, tokens, prefill)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(args.out, **out)
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "tokens": len(tokens),
+                "prefill": prefill,
+                "vocab": int(out["prefill_logits"].shape[1]),
+            }
+        )
+    )
+    return 0

@@ -1,0 +1,195 @@
+"""Shared-KV MQA over a sliding window plus shared compressed KV, with a sink (arch §4.4, §5.3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dsflash.config import LayerSpec, ModelConfig
+from dsflash.errors import ConfigError
+from dsflash.formats import fp4, fp8
+from dsflash.model.compressor import Compressor, Indexer
+from dsflash.model.layers import ColumnParallelLinear, Linear, RMSNorm, Rope, RowParallelLinear, _param
+from dsflash.model.parallel import TP
+from dsflash.model.state import DecodeState, LayerState
+
+# bound on the gathered [queries, selected, head_dim] block in sparse attention
+_GATHER_BUDGET = 1 << 24
+
+
+@dataclass
+class Step:
+    """One forward call: positions, state, and what earlier layers published for later ones."""
+
+    start_pos: int
+    length: int
+    state: DecodeState
+    qat: bool = True
+    positions: torch.Tensor = None  # [s] absolute positions of this chunk
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index-source layer -> [b, s, k]
+    candidates: torch.Tensor | None = None  # [b, s, n_compressed] from the candidate source
+    trace: dict | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start_pos + self.length
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float):
+    """q [b, s, h, d], kv [b, n, d] (K = V), sink [h], idx [b, s, k] (-1 = none) -> [b, s, h, d].
+
+    Softmax over the selected rows with the per-head sink logit in the denominator only.
+    """
+    b, s, h, d = q.shape
+    out = torch.empty(b, s, h, d, dtype=torch.float32, device=q.device)
+    step = max(1, _GATHER_BUDGET // max(1, b * idx.shape[-1] * d))
+    batch = torch.arange(b, device=q.device).view(b, 1, 1)
+    for i in range(0, s, step):
+        sl = idx[:, i : i + step].long()
+        valid = sl >= 0
+        rows = kv.float()[batch, sl.clamp_min(0)]  # [b, c, k, d]
+        logits = torch.einsum("bchd,bckd->bchk", q[:, i : i + step].float(), rows)
+        logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
+        top = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
+        p = torch.exp(logits - top)
+        denom = p.sum(dim=-1) + torch.exp(sink.float().view(1, 1, h) - top.squeeze(-1))
+        out[:, i : i + step] = torch.einsum("bchk,bckd->bchd", p, rows) / denom.unsqueeze(-1)
+    return out.to(q.dtype)
+
+
+def window_indices(start_pos: int, length: int, n_prev: int, window: int, device) -> torch.Tensor:
+    """Rows of [previous n_prev window rows ; this chunk] each query sees: its last `window` positions."""
+    last = n_prev + torch.arange(length, device=device).unsqueeze(1)  # query's own row
+    idx = last - window + 1 + torch.arange(window, device=device)
+    return torch.where(idx < 0, -1, idx)
+
+
+def ring_read(ring: torch.Tensor, start_pos: int, n: int) -> torch.Tensor:
+    """The n positions before start_pos from a ring [b, W, d], oldest first."""
+    slots = torch.arange(start_pos - n, start_pos, device=ring.device) % ring.shape[1]
+    return ring[:, slots]
+
+
+def ring_write(ring: torch.Tensor, kv: torch.Tensor, start_pos: int) -> None:
+    """Store kv [b, s, d] for positions start_pos.. into the ring (only the last W survive)."""
+    W, s = ring.shape[1], kv.shape[1]
+    keep = min(W, s)
+    slots = torch.arange(start_pos + s - keep, start_pos + s, device=ring.device) % W
+    ring[: kv.shape[0], slots] = kv[:, s - keep :].to(ring.dtype)
+
+
+class Attention(nn.Module):
+    """Low-rank Q, one shared K=V head, grouped low-rank output; compressed KV on ratio > 0 layers."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, tp: TP, rope: Rope):
+        super().__init__()
+        self.spec, self.tp, self.rope = spec, tp, rope
+        H, G, hd = cfg.num_attention_heads, cfg.o_groups, cfg.head_dim
+        if H % tp.size:
+            raise ConfigError(f"tensor-parallel degree {tp.size} does not divide the {H} attention heads")
+        self.n_local, self.head_dim, self.window = H // tp.size, hd, cfg.sliding_window
+        self.o_lora_rank, self.scale = cfg.o_lora_rank, hd**-0.5
+        # this rank's heads, and the output groups they touch: a group split over two ranks gets a partial
+        # projection on each, which the wo_b all-reduce sums (so any degree dividing H works, not only G's)
+        h0, per_group = tp.rank * self.n_local, H // G
+        g0, g1 = h0 // per_group, -(-(h0 + self.n_local) // per_group)
+        self.groups_local, self.per_group = g1 - g0, per_group
+        self.head_slot = torch.arange(h0, h0 + self.n_local) - g0 * per_group
+        group_rows = (torch.arange(g0, g1).unsqueeze(1) * cfg.o_lora_rank + torch.arange(cfg.o_lora_rank)).flatten()
+        self.attn_sink = _param(self.n_local, shard={0: torch.arange(h0, h0 + self.n_local)})
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, H * hd, tp)
+        self.wkv = Linear(cfg.hidden_size, hd)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        # block diagonal over groups (each group projects only its own heads), applied as an einsum
+        self.wo_a = Linear(per_group * hd, group_rows.numel(), shard={0: group_rows})
+        self.wo_b = RowParallelLinear(G * cfg.o_lora_rank, cfg.hidden_size, tp, cols=group_rows)
+        if spec.is_kv_source:
+            self.compressor = Compressor(cfg, spec.ratio)
+        if spec.is_index_source:
+            self.indexer = Indexer(cfg, spec, tp)
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """x [b, s, d] -> [b, s, d]"""
+        cis = self.rope.cis(step.positions)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.rope.rotate(self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim)), cis)
+        kv = self.window_kv(x, cis, step.qat)
+        kv, idx = self.window_rows(kv, step)
+        if self.spec.ratio:
+            ckv, cidx = self.compressed_rows(x, qr, step, offset=kv.shape[1])
+            kv, idx = torch.cat([kv, ckv], dim=1), torch.cat([idx, cidx], dim=-1)
+        o = sparse_attention(q, kv, self.attn_sink, idx, self.scale)
+        return self.output(self.rope.rotate(o, cis, inverse=True))
+
+    def window_kv(self, x: torch.Tensor, cis: torch.Tensor, qat: bool) -> torch.Tensor:
+        kv = self.rope.rotate(self.kv_norm(self.wkv(x)), cis)
+        # V4.1 keeps the window KV in FP8 over the whole vector, rotary tail included
+        return fp8.qdq(kv, 32) if qat else kv
+
+    def window_rows(self, kv: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """[earlier window rows ; this chunk's kv] and each query's window indices into it."""
+        ring = step.state.layers[self.spec.layer_id].window
+        n_prev = min(self.window, step.start_pos)
+        rows = torch.cat([ring_read(ring, step.start_pos, n_prev)[: kv.shape[0]].to(kv.dtype), kv], dim=1)
+        ring_write(ring, kv, step.start_pos)
+        idx = window_indices(step.start_pos, step.length, n_prev, self.window, kv.device)
+        return rows, idx.unsqueeze(0).expand(kv.shape[0], -1, -1)
+
+    def compressed_rows(self, x, qr, step: Step, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared compressed KV visible to this chunk, and each query's selected entries (+offset)."""
+        spec, layers = self.spec, step.state.layers
+        r, b = spec.ratio, x.shape[0]
+        n_visible = step.end // r
+        latent = None
+        if spec.is_kv_source:
+            latent = self.compressor(x, step.start_pos, layers[spec.layer_id])
+        if spec.is_index_source:
+            idx = self.select(x, qr, latent, step, offset)
+            step.topk[spec.layer_id] = idx
+        else:
+            idx = step.topk[spec.topk_source]
+        if latent is not None:
+            self.store_latent(latent, step.start_pos // r, layers[spec.layer_id], step.qat)
+        return layers[spec.kv_source].compressed[:b, :n_visible], idx
+
+    def select(self, x, qr, latent, step: Step, offset: int) -> torch.Tensor:
+        spec, ix = self.spec, self.indexer
+        if step.end // spec.ratio == 0:
+            return torch.empty(x.shape[0], step.length, 0, dtype=torch.long, device=x.device)
+        if latent is not None:  # the indexer needs the latent before RoPE and quantization
+            ix.write_keys(latent, step.start_pos // spec.ratio, self.rope, step.state.layers[spec.layer_id], step.qat)
+        keys = step.state.layers[spec.kv_source].index_keys[: x.shape[0], : step.end // spec.ratio]
+        s, visible = ix.scores(x, qr, keys, step.positions, self.rope, step.qat)
+        if spec.is_candidate_source:
+            step.candidates = ix.candidates(s, visible)
+            if step.trace is not None:
+                step.trace["candidate_mask"] = step.candidates
+        elif spec.uses_candidates:
+            s = s.masked_fill(~step.candidates, -torch.inf)
+        idx = ix.select(s, visible, step.end, offset)
+        if step.trace is not None:
+            step.trace.setdefault("index_topk", {})[spec.layer_id] = torch.where(idx >= 0, idx - offset, -1)
+        return idx
+
+    def store_latent(self, latent: torch.Tensor, group0: int, st: LayerState, qat: bool) -> None:
+        r = self.spec.ratio
+        pos = r * torch.arange(group0, group0 + latent.shape[1], device=latent.device)
+        latent = self.rope.rotate(latent, self.rope.cis(pos))
+        if qat:  # compressed KV: FP4 in groups of 16 with E4M3 scales
+            latent = fp4.qdq(latent, 16, e4m3_scale=True)
+        st.compressed[: latent.shape[0], group0 : group0 + latent.shape[1]] = latent
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """Grouped low-rank output projection. o [b, s, h, hd] -> [b, s, d]"""
+        b, s = o.shape[:2]
+        if self.groups_local * self.per_group != self.n_local:  # heads of groups held by other ranks count as 0
+            full = o.new_zeros(b, s, self.groups_local * self.per_group, self.head_dim)
+            o = full.index_copy(2, self.head_slot.to(o.device), o)
+        o = o.reshape(b, s, self.groups_local, -1)
+        wo_a = self.wo_a.weight.view(self.groups_local, self.o_lora_rank, -1)
+        u = torch.einsum("bsgd,grd->bsgr", o.to(wo_a.dtype), wo_a)
+        return self.wo_b(u.flatten(2))

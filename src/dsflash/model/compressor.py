@@ -1,0 +1,111 @@
+"""KV compressor and the two-level lightning indexer of V4.1 (arch §5.4, §5.5)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsflash.config import LayerSpec, ModelConfig
+from dsflash.formats import fp4
+from dsflash.model.layers import ColumnParallelLinear, Linear, RMSNorm, Rope
+from dsflash.model.parallel import TP
+from dsflash.model.state import LayerState
+
+
+class Compressor(nn.Module):
+    """Pools `ratio` consecutive tokens into one normalised latent (pre-RoPE). Only KV-source layers own one."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = Linear(cfg.hidden_size, cfg.head_dim)
+        if ratio > 1:
+            self.wgate = Linear(cfg.hidden_size, cfg.head_dim)
+        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, start_pos: int, st: LayerState) -> torch.Tensor | None:
+        """x [b, s, d] -> latents [b, n, hd] of the groups completed by this chunk, or None."""
+        r = self.ratio
+        if r == 1:  # every token is its own group: no gate, no pooling
+            return self.norm(self.wkv(x))
+        kv, score = self.wkv(x.float()), self.wgate(x.float())
+        done = start_pos % r  # tokens of the open group already seen
+        kv = torch.cat([st.pending_kv[: x.shape[0], :done], kv], dim=1)
+        score = torch.cat([st.pending_score[: x.shape[0], :done], score], dim=1)
+        full = kv.shape[1] // r * r
+        st.pending_kv[: x.shape[0], : kv.shape[1] - full] = kv[:, full:]
+        st.pending_score[: x.shape[0], : kv.shape[1] - full] = score[:, full:]
+        if full == 0:
+            return None
+        kv, score = kv[:, :full].unflatten(1, (-1, r)), score[:, :full].unflatten(1, (-1, r))
+        # an independent softmax per channel over the group's tokens
+        pooled = (kv * score.softmax(dim=2)).sum(dim=2)
+        return self.norm(pooled.to(x.dtype))
+
+
+class Indexer(nn.Module):
+    """Scores the compressed positions for every query and keeps the top `index_topk` (arch §5.5).
+
+    Key side only on KV-source layers (wk, k_norm); query side on every index-source layer.
+    """
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, tp: TP):
+        super().__init__()
+        self.spec, self.tp = spec, tp
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        self.topk = cfg.index_topk
+        self.block_size, self.topk_blocks = cfg.candidate_block_size, cfg.candidate_topk_blocks
+        # heads split over ranks when they divide evenly (scores are then all-reduced), else replicated
+        self.split = tp.size > 1 and cfg.index_n_heads % tp.size == 0
+        self.n_local = cfg.index_n_heads // tp.size if self.split else cfg.index_n_heads
+        q_out, w_out = cfg.index_n_heads * cfg.index_head_dim, cfg.index_n_heads
+        if self.split:
+            self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, q_out, tp)
+            self.weights_proj = ColumnParallelLinear(cfg.hidden_size, w_out, tp)
+        else:
+            self.wq_b, self.weights_proj = Linear(cfg.q_lora_rank, q_out), Linear(cfg.hidden_size, w_out)
+        if spec.is_kv_source:
+            self.wk = Linear(cfg.head_dim, cfg.index_head_dim)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+
+    def write_keys(self, latent: torch.Tensor, group0: int, rope: Rope, st: LayerState, qat: bool) -> None:
+        """Index keys of new latents [b, n, hd] (pre-RoPE), rotated at their group's first token."""
+        r = self.spec.ratio
+        k = self.k_norm(self.wk(latent))
+        k = rope.rotate(k, rope.cis(r * torch.arange(group0, group0 + k.shape[1], device=k.device)))
+        if qat:
+            k = fp4.qdq(k, 32)
+        st.index_keys[: k.shape[0], group0 : group0 + k.shape[1]] = k
+
+    def scores(self, x, qr, keys, positions, rope: Rope, qat: bool) -> torch.Tensor:
+        """I[b, s, t] = sum_h w_h relu(q_h . k_t); entries a query cannot see yet are -inf."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim))
+        q = rope.rotate(q, rope.cis(positions))
+        if qat:
+            q = fp4.qdq(q, 32)
+        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        s = torch.einsum("bshd,btd->bsht", q.float(), keys.float())
+        s = (s.relu_() * w.float().unsqueeze(-1)).sum(dim=2)
+        if self.split:
+            s = self.tp.all_reduce(s)
+        visible = (positions + 1) // self.spec.ratio  # [s] compressed entries complete at each query
+        hidden = torch.arange(s.shape[-1], device=s.device) >= visible.unsqueeze(-1)
+        return s.masked_fill(hidden, -torch.inf), visible
+
+    def select(self, s: torch.Tensor, visible: torch.Tensor, end: int, offset: int) -> torch.Tensor:
+        """Top-k compressed positions per query, ascending; unreachable -> -1, others + offset. [b, s, k] int"""
+        k = min(self.topk, end // self.spec.ratio)
+        idx = s.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        return torch.where(idx < visible.unsqueeze(-1), idx + offset, -1)
+
+    def candidates(self, s: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Level one: keep the best `topk_blocks` blocks per query (the newest partial one forced in)."""
+        width, bs = s.shape[-1], self.block_size
+        blocks = F.pad(s, (0, -width % bs), value=-torch.inf).unflatten(-1, (-1, bs)).amax(dim=-1)
+        n_blocks = blocks.shape[-1]
+        newest = (visible - 1).div(bs, rounding_mode="floor").unsqueeze(-1)
+        blocks = blocks.masked_fill(torch.arange(n_blocks, device=s.device) == newest, torch.inf)
+        top = blocks.topk(min(self.topk_blocks, n_blocks), dim=-1)
+        keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
+        return keep.repeat_interleave(bs, dim=-1)[..., :width]

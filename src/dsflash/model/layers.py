@@ -1,0 +1,112 @@
+"""Linear layers (plain and tensor-parallel), RMSNorm and rotary embeddings with YaRN (arch §4.4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsflash.model.parallel import TP
+
+
+def _param(*shape: int, dtype: torch.dtype = torch.float32, shard: dict | None = None) -> nn.Parameter:
+    """An empty parameter for the loader to fill (empty() costs nothing until written).
+
+    shard {dim: indices}: which entries of the checkpoint tensor this rank holds along each split dim (-1 = zero
+    padding); the loader applies it, so the model alone decides how it is split.
+    """
+    p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    p.shard = shard or {}
+    return p
+
+
+class Linear(nn.Module):
+    """y = x W^T with W [out, in] (dequantized at load)."""
+
+    def __init__(self, in_features: int, out_features: int, shard: dict | None = None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param(out_features, in_features, shard=shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over ranks (padded when uneven); each rank's output slice is complete."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TP):
+        super().__init__(in_features, tp.part(out_features), shard={0: tp.indices(out_features)})
+
+
+class RowParallelLinear(Linear):
+    """Input features split over ranks; the partial sums are all-reduced. `cols` overrides the even split."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TP, cols: torch.Tensor | None = None):
+        cols = tp.indices(in_features) if cols is None else cols
+        super().__init__(cols.numel(), out_features, shard={1: cols})
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # fp32 statistics always: V4.1's eps is 1e-20, which only fp32 can see
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / RMS over the last dim, fp32, keepdim."""
+    return torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+
+
+class Rope:
+    """Interleaved rotary embedding on the last `dim` channels; YaRN when original_len > 0."""
+
+    def __init__(
+        self,
+        dim: int,
+        base: float,
+        original_len: int = 0,
+        factor: float = 1.0,
+        beta_fast: float = 32.0,
+        beta_slow: float = 1.0,
+    ):
+        freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        if original_len > 0:
+
+            def corrected_dim(rotations: float) -> float:
+                return dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+            low = max(math.floor(corrected_dim(beta_fast)), 0)
+            high = min(math.ceil(corrected_dim(beta_slow)), dim - 1)
+            ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+            smooth = 1 - ramp  # kept as DeepSeek writes it: 1 - (1 - ramp) is not always ramp in fp32
+            freqs = freqs / factor * (1 - smooth) + freqs * smooth
+        self.dim = dim
+        self.freqs = freqs
+
+    def cis(self, positions: torch.Tensor) -> torch.Tensor:
+        """Unit complex rotations [n, dim/2] for integer positions [n]."""
+        angles = torch.outer(positions.to(torch.float32), self.freqs.to(positions.device))
+        return torch.polar(torch.ones_like(angles), angles)
+
+    def rotate(self, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the last `dim` channels of x [b, s, (h,) d] by cis [s, dim/2]; returns a new tensor."""
+        head, tail = x[..., : -self.dim], x[..., -self.dim :]
+        z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
+        c = cis.conj() if inverse else cis
+        c = c.view(1, c.shape[0], *([1] * (z.dim() - 3)), c.shape[-1])
+        tail = torch.view_as_real(z * c).flatten(-2).to(x.dtype)
+        return torch.cat([head, tail], dim=-1)

@@ -1,0 +1,71 @@
+"""MoE: sqrtsoftplus router with selection-only bias, routed experts through an ExpertBackend, shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsflash.config import LayerSpec, ModelConfig
+from dsflash.model.experts import ExpertBackend, expert_ffn
+from dsflash.model.layers import ColumnParallelLinear, RowParallelLinear, _param
+from dsflash.model.parallel import TP
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        self.topk, self.score_func, self.temp = spec.n_active, cfg.scoring_func, cfg.gate_temp
+        self.norm_topk, self.route_scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = _param(spec.n_experts, cfg.hidden_size)
+        self.bias = _param(spec.n_experts)
+        if cfg.vision_config is not None and not spec.is_dspark:
+            self.bias_vl = _param(spec.n_experts)  # image-span routing bias; loaded, unused for text
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [t, d] -> (weights fp32 [t, k], ids [t, k]); the bias picks experts but never scales them."""
+        z = F.linear(x.float(), self.weight.float()) / self.temp
+        if self.score_func == "softmax":
+            scores = z.softmax(dim=-1)
+        elif self.score_func == "sigmoid":
+            scores = z.sigmoid()
+        else:
+            scores = F.softplus(z).sqrt()
+        ids = (scores + self.bias.float()).topk(self.topk, dim=-1)[1]
+        w = scores.gather(1, ids)
+        if self.norm_topk and self.topk > 1:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)  # 1e-20, not norm_eps: as in training
+        return w * self.route_scale, ids
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert, split over ranks along the intermediate dimension."""
+
+    def __init__(self, cfg: ModelConfig, tp: TP):
+        super().__init__()
+        d, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.w1 = ColumnParallelLinear(d, inter, tp)
+        self.w3 = ColumnParallelLinear(d, inter, tp)
+        self.w2 = RowParallelLinear(inter, d, tp)  # its all-reduce is folded into the MoE's one
+        self.limit = cfg.swiglu_limit
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output, fp32 [t, d] (V4.1 clamps the shared expert too)."""
+        return expert_ffn(x, self.w1.weight, self.w3.weight, self.w2.weight, self.limit)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, tp: TP):
+        super().__init__()
+        self.layer_id, self.tp = spec.layer_id, tp
+        self.gate = Gate(cfg, spec)
+        self.shared_experts = SharedExpert(cfg, tp)
+
+    def forward(self, x: torch.Tensor, experts: ExpertBackend, trace: dict | None = None) -> torch.Tensor:
+        """x [b, s, d] -> [b, s, d]; one all-reduce for routed and shared partial sums together."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat)
+        if trace is not None:
+            trace.setdefault("moe", {})[self.layer_id] = (ids, weights)
+        y = experts(self.layer_id, flat, ids, weights) + self.shared_experts.partial(flat)
+        return self.tp.all_reduce(y).to(x.dtype).view(x.shape)

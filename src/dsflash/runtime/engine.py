@@ -1,0 +1,176 @@
+"""Engine: one sequence at a time on one thread; prefill in chunks, then decode steps; yields TokenEvents."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+import torch
+
+from dsflash.errors import ContextTooLong, EngineDead, InvalidRequest, NotReady
+from dsflash.runtime.queue import GenerationRequest, Handle, RequestQueue, TokenEvent
+from dsflash.runtime.sampler import Sampler, top_logprobs
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What the engine drives: a model with its per-sequence state on some device(s)."""
+
+    max_len: int
+    vocab_size: int
+
+    def reset(self) -> None: ...
+
+    def forward(self, tokens: list[int], start_pos: int, all_logits: bool) -> torch.Tensor:
+        """fp32 logits [s, V] (all positions) or [1, V] (last)."""
+        ...
+
+    def counters(self) -> dict: ...
+
+
+class Engine:
+    """submit(request) -> Handle. The engine thread owns the runner; nothing else touches it."""
+
+    def __init__(self, runner: Runner, eos_ids: set[int], max_queue: int = 64, prefill_chunk: int = 512):
+        self.runner, self.eos_ids = runner, set(eos_ids)
+        self.prefill_chunk = prefill_chunk
+        self.queue = RequestQueue(max_queue)
+        self.current: Handle | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "tokens": 0, "prompt_tokens": 0}
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="dsflash-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, cancel_running: bool = True) -> None:
+        self._stop.set()
+        if cancel_running and self.current is not None:
+            self.current.cancel()
+        self.queue.wake()
+        if self._thread is not None:
+            self._thread.join()
+        self.queue.fail_all(EngineDead("the engine was shut down"))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, request: GenerationRequest) -> Handle:
+        if self._thread is None:
+            raise NotReady("the engine is still loading")
+        if not self.alive:
+            raise EngineDead("the engine thread is not running")
+        self.validate(request)
+        return self.queue.submit(request)
+
+    def validate(self, request: GenerationRequest) -> None:
+        n = len(request.prompt)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if any(not 0 <= t < self.runner.vocab_size for t in request.prompt):
+            raise InvalidRequest(f"prompt token ids must be in 0..{self.runner.vocab_size - 1}", param="prompt")
+        if n + request.params.max_tokens > self.runner.max_len:
+            raise ContextTooLong(
+                f"this model's context is {self.runner.max_len} tokens; the prompt has {n} and "
+                f"max_tokens is {request.params.max_tokens}",
+                param="max_tokens",
+            )
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        handle = None
+        try:
+            while not self._stop.is_set():
+                handle = self.queue.take(timeout=0.5)
+                if handle is None:
+                    continue
+                self.current = handle
+                try:
+                    self._run(handle)
+                except Exception as e:  # one request's failure (e.g. in sampling) must not stop the engine
+                    log.exception("request %s failed", handle.request.request_id)
+                    self.counters["failed"] += 1
+                    handle.close(e)
+                finally:
+                    self.current = None
+                handle = None
+        except BaseException as e:  # the thread itself is going down: fail everyone, never hang them
+            log.exception("engine thread died")
+            self.queue.fail_all(EngineDead(f"the engine failed: {e}"))
+            if handle is not None:
+                handle.close(EngineDead(f"the engine failed: {e}"))
+
+    def _run(self, handle: Handle) -> None:
+        req, params = handle.request, handle.request.params
+        self.counters["requests"] += 1
+        if handle.cancelled:
+            return self._finish(handle, TokenEvent(None, 0, finish_reason="cancelled"))
+        handle.started.set()
+        sampler = Sampler(params)
+        t0, counters_start = time.perf_counter(), self.runner.counters()
+        logits = self._prefill(handle, list(req.prompt), params.prompt_logprobs)
+        if logits is None:
+            return self._finish(handle, TokenEvent(None, 0, finish_reason="cancelled"))
+        last, prompt_lp = logits
+        self.counters["prompt_tokens"] += len(req.prompt)
+        # counters_start lets the consumer turn the runner's cumulative counters into this request's share
+        stats = {"ttft_s": time.perf_counter() - t0, "counters_start": counters_start, **self.runner.counters()}
+        pos = len(req.prompt)
+        for index in range(params.max_tokens):
+            s = sampler(last)
+            stop = (s.token in self.eos_ids and not params.ignore_eos) or s.token in params.stop_token_ids
+            done = "stop" if stop else ("length" if index + 1 == params.max_tokens else None)
+            event = TokenEvent(s.token, index, s.logprob, s.top, done, stop_token=stop, stats=stats)
+            if index == 0:
+                event.prompt_logprobs = prompt_lp
+            self.counters["tokens"] += 1
+            if done:
+                return self._finish(handle, event)
+            handle.put(event)
+            if handle.cancelled:
+                return self._finish(handle, TokenEvent(None, index + 1, finish_reason="cancelled"))
+            t = time.perf_counter()
+            last = self.runner.forward([s.token], pos, False)[-1]
+            pos += 1
+            stats = {"step_s": time.perf_counter() - t, **self.runner.counters()}
+        # max_tokens == 0: only the prompt was scored (echo + logprobs)
+        self._finish(handle, TokenEvent(None, 0, finish_reason="length", prompt_logprobs=prompt_lp, stats=stats))
+
+    def _prefill(self, handle: Handle, prompt: list[int], prompt_logprobs: int | None):
+        """Chunked prefill; -> (last logits [V], prompt logprobs or None), or None when cancelled."""
+        self.runner.reset()
+        lps = [None] if prompt_logprobs is not None else None
+        logits = None
+        for start in range(0, len(prompt), self.prefill_chunk):
+            if handle.cancelled:
+                return None
+            chunk = prompt[start : start + self.prefill_chunk]
+            logits = self.runner.forward(chunk, start, prompt_logprobs is not None)
+            if lps is not None:
+                lps += _prompt_logprobs(logits, prompt, start, prompt_logprobs)
+        return logits[-1], (lps[: len(prompt)] if lps is not None else None)
+
+    def _finish(self, handle: Handle, event: TokenEvent) -> None:
+        key = {"cancelled": "cancelled"}.get(event.finish_reason, "completed")
+        self.counters[key] += 1
+        handle.put(event)
+        handle.close()
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], start: int, k: int) -> list:
+    """Logprob of each next prompt token under the logits before it, with the top k alternatives."""
+    out = []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    for i in range(logits.shape[0]):
+        nxt = start + i + 1
+        if nxt >= len(prompt):
+            break
+        out.append((prompt[nxt], float(lp[i, prompt[nxt]]), top_logprobs(lp[i], k)))
+    return out

@@ -1,0 +1,116 @@
+"""Bounded FIFO of requests with cancellation handles; one sequence runs at a time."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from dsflash.errors import EngineDead, Overloaded
+from dsflash.runtime.sampler import SamplingParams
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+
+@dataclass
+class TokenEvent:
+    """One generated token (or only a finish / prompt-logprob record when token is None)."""
+
+    token: int | None
+    index: int  # 0-based position in the completion
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] | None = None
+    finish_reason: str | None = None  # stop | length | cancelled
+    stop_token: bool = False  # the token is EOS / a stop id: counted, never rendered as text
+    prompt_logprobs: list | None = None  # on the first event when asked: per prompt position (None for 0)
+    stats: dict = field(default_factory=dict)
+
+
+class Handle:
+    """The consumer side of one request: iterate TokenEvents, cancel between steps."""
+
+    _DONE = object()
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self._events: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+        self.started = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def put(self, item) -> None:
+        self._events.put(item)
+
+    def close(self, error: BaseException | None = None) -> None:
+        self._events.put(error if error is not None else self._DONE)
+
+    def __iter__(self):
+        while True:
+            item = self._events.get()
+            if item is self._DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class RequestQueue:
+    """FIFO bounded by max_size (full -> Overloaded with a retry hint)."""
+
+    def __init__(self, max_size: int):
+        self.max_size = max_size
+        self._q: queue.Queue[Handle | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self.dead: BaseException | None = None
+
+    def submit(self, request: GenerationRequest) -> Handle:
+        if self.dead is not None:
+            raise EngineDead(f"the engine stopped: {self.dead}")
+        with self._lock:
+            if self._waiting >= self.max_size:
+                raise Overloaded(f"the request queue is full ({self.max_size} waiting)", retry_after=1)
+            self._waiting += 1
+        handle = Handle(request)
+        self._q.put(handle)
+        return handle
+
+    def take(self, timeout: float | None = None) -> Handle | None:
+        try:
+            handle = self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if handle is not None:
+            with self._lock:
+                self._waiting -= 1
+        return handle
+
+    def wake(self) -> None:
+        self._q.put(None)
+
+    @property
+    def depth(self) -> int:
+        return self._waiting
+
+    def fail_all(self, error: BaseException) -> None:
+        self.dead = error
+        while True:
+            handle = self.take(timeout=0)
+            if handle is None and self._q.empty():
+                return
+            if handle is not None:
+                handle.close(error)

@@ -1,0 +1,26 @@
+"""Runner over an in-process model and expert back end (the CPU reference, or any single-rank model)."""
+
+from __future__ import annotations
+
+import torch
+
+from dsflash.runtime.loader import LoadedModel
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, max_len: int):
+        self.model, self.experts = loaded.model, loaded.experts
+        self.max_len = max_len
+        self.vocab_size = loaded.cfg.vocab_size
+        self.state = self.model.new_state(max_len)
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def forward(self, tokens: list[int], start_pos: int, all_logits: bool) -> torch.Tensor:
+        logits = self.model(torch.tensor([tokens]), start_pos, self.state, self.experts)[0]
+        return logits if all_logits else logits[-1:]
+
+    def counters(self) -> dict:
+        counters = getattr(self.experts, "counters", None)
+        return counters() if callable(counters) else {}

@@ -1,0 +1,65 @@
+"""Decoding after a prefill of any length, or prefilling in chunks, equals one long prefill."""
+
+import numpy as np
+import pytest
+import torch
+
+from dsflash.errors import ContextTooLong, UnsupportedInput
+from dsflash.gates.compare import compare_logits, within_golden_tolerance
+
+
+@pytest.fixture(scope="module")
+def full(case):
+    state = case.ref.model.new_state(len(case.tokens))
+    return case.run(case.tokens, 0, state)[0].numpy()
+
+
+def _assert_same(case, got, want):
+    report = compare_logits(want, got)
+    assert within_golden_tolerance(report, case.golden["tolerance"]), report
+    assert report["mean_abs"] < 1e-4, report
+
+
+@pytest.mark.parametrize("split", [1, 3, 16, 17, 40])
+def test_decode_after_any_prefill(case, full, split):
+    """Split points off the compression ratio and the candidate block; the window ring wraps."""
+    state = case.ref.model.new_state(len(case.tokens))
+    first = case.run(case.tokens[:split], 0, state)[0].numpy()
+    rows = [case.run([t], p, state)[0, -1].numpy() for p, t in enumerate(case.tokens) if p >= split]
+    _assert_same(case, np.concatenate([first, np.stack(rows)]), full)
+
+
+@pytest.mark.parametrize("chunks", [[5, 27, 1, 33], [64, 64], [7] * 10])
+def test_chunked_prefill(case, full, chunks):
+    state = case.ref.model.new_state(len(case.tokens))
+    out, pos = [], 0
+    for n in chunks + [len(case.tokens)]:
+        n = min(n, len(case.tokens) - pos)
+        if n <= 0:
+            break
+        out.append(case.run(case.tokens[pos : pos + n], pos, state)[0].numpy())
+        pos += n
+    _assert_same(case, np.concatenate(out), full)
+
+
+def test_state_reset_between_sequences(case, full):
+    """A second sequence on a used state gives the same logits as on a fresh one."""
+    state = case.ref.model.new_state(len(case.tokens))
+    other = list(reversed(case.tokens))
+    case.run(other[:50], 0, state)
+    case.run([other[50]], 50, state)
+    state.reset()
+    np.testing.assert_array_equal(case.run(case.tokens, 0, state)[0].numpy(), full)
+
+
+def test_bad_input_is_refused(case):
+    model, experts = case.ref.model, case.ref.experts
+    state = model.new_state(8)
+    vocab = case.ref.cfg.vocab_size
+    with pytest.raises(UnsupportedInput, match="outside the vocabulary"):
+        model(torch.tensor([[1, vocab]]), 0, state, experts)
+    with pytest.raises(ContextTooLong):
+        model(torch.tensor([[1] * 9]), 0, state, experts)
+    model(torch.tensor([[1, 2]]), 0, state, experts)
+    with pytest.raises(ValueError, match="does not continue"):
+        model(torch.tensor([[1]]), 5, state, experts)
