@@ -1,0 +1,421 @@
+"""Where the packed expert store lives, what identifies it, and where every byte of it sits.
+
+A store is one directory, `<root>/<model-name>/weights/` (root: --cache-dir, else $DSFLASH_CACHE, else
+~/.cache/dsflash), holding one file per MoE layer (backbone blocks and DSpark stages) and `manifest.json`.
+
+A layer file is nothing but its records, one per routed expert, all the same size, expert e at e * record_bytes.
+A record is rank-major: TP rank blocks of `stride` bytes, rank r at r * stride. A rank block holds that rank's
+shard of the three matrices, packed as bfp tiles one after the other, then zeros up to the stride:
+
+    w1[r*I/N : (r+1)*I/N, :]   [I/N, H]   (output rows)
+    w3[r*I/N : (r+1)*I/N, :]   [I/N, H]   (output rows)
+    w2[:, r*I/N : (r+1)*I/N]   [H, I/N]   (input columns)
+
+I = moe_intermediate_size, H = hidden_size, N = TP degree. Each matrix is zero-padded to whole 32x32 tiles on its
+own (a shard narrower than a tile takes one padded tile row or column) and tiles go in row-major order, exactly
+as formats.bfp.pack writes them. The stride is the data rounded up to ALIGN (4 KiB), so every rank block starts
+on a page: one rank's shard is one page-aligned contiguous range that madvise, O_DIRECT reads and DMA from
+pinned pages can take whole without touching a neighbour's pages (at the V4.1 widths the data is already a
+whole number of pages, so this costs no bytes there).
+
+Checksums are zlib.crc32 of each whole rank block, padding included, so that every byte of a file is covered
+and one rank's shard can be checked alone (zlib's crc32 runs at about 2.2 GB/s here, twice sha1/sha256).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsflash.errors import StoreCorrupt, StoreMismatch
+from dsflash.formats import bfp
+
+FORMAT = "dsflash-expert-store"
+FORMAT_VERSION = 1
+TILE_FORMATS = ("bfp4_b", "bfp8_b")
+ALIGN = 4096
+CHECKSUM = "crc32"
+MANIFEST = "manifest.json"
+PARTIAL = ".partial"  # suffix of a layer file or manifest still being written
+LOCK = ".build.lock"
+TILE = 32
+# identity of a store: a manifest that differs in any of these was built for something else
+IDENTITY_KEYS = ("format_version", "model_id", "revision", "tp", "tile_format")
+IDENTITY_WORDS = {
+    "format_version": "store format version",
+    "model_id": "model",
+    "revision": "revision",
+    "tp": "TP degree",
+    "tile_format": "tile format",
+}
+
+
+class StoreMissing(StoreMismatch):
+    """No store, or an unfinished one, where one was expected; `dsflash store build` makes it."""
+
+
+# ---------------------------------------------------------------------------------------------- where
+
+
+def default_root() -> Path:
+    """$DSFLASH_CACHE, else ~/.cache/dsflash (read at call time)."""
+    env = os.environ.get("DSFLASH_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dsflash"
+
+
+_HUB_SNAPSHOT = re.compile(r"^models--(?P<repo>.+)$")
+_REV = re.compile(r"^[0-9a-f]{40}$")
+
+
+def _hub_parts(path: Path) -> tuple[str, str] | None:
+    """(repo id, commit) of a Hub cache snapshot dir `.../models--org--name/snapshots/<commit>`, else None."""
+    parts = path.absolute().parts
+    if len(parts) < 3 or parts[-2] != "snapshots" or not _REV.match(parts[-1]):
+        return None
+    m = _HUB_SNAPSHOT.match(parts[-3])
+    if not m:
+        return None
+    return m.group("repo").replace("--", "/"), parts[-1]
+
+
+def _slug(text: str) -> str:
+    s = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
+    return s or "model"
+
+
+def model_name(model: str | Path) -> str:
+    """Directory name of a model's store: the lower-cased repo name for a Hub model (`deepseek-ai/DeepSeek-V4.1-Flash`
+    or its cache snapshot -> `deepseek-v4.1-flash`), `<dir name>-<8 hex of its absolute path>` for a local directory
+    (two local dirs both called `model` must not share a store)."""
+    path = Path(model).expanduser()
+    hub = _hub_parts(path)
+    if hub is not None:
+        return _slug(hub[0].split("/")[-1])
+    if path.is_dir():
+        where = str(path.resolve())
+        return f"{_slug(path.resolve().name)}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
+    # a Hub spec that is not on disk (yet): org/name[@revision]
+    return _slug(str(model).split("@", 1)[0].rstrip("/").split("/")[-1])
+
+
+def store_dir(model_dir: str | Path, root: str | Path | None = None) -> Path:
+    """`<root>/<model-name>/weights` for a resolved model directory."""
+    base = Path(root).expanduser() if root is not None else default_root()
+    return base / model_name(model_dir) / "weights"
+
+
+def fingerprint(model_dir: str | Path) -> str:
+    """Revision of a local model directory: sha256 of config.json, the index, and every shard's name, size and
+    sampled bytes (its safetensors header and 16 evenly spread 4 KiB blocks). A cheap stand-in for hashing
+    hundreds of GB: any re-quantization or re-generation changes the samples, a plain copy keeps them."""
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        p = d / name
+        h.update(name.encode() + b"\0" + (p.read_bytes() if p.is_file() else b"-") + b"\0")
+    for p in sorted(d.glob("*.safetensors")):
+        size = p.stat().st_size
+        h.update(f"{p.name}\0{size}\0".encode())
+        with p.open("rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            h.update(head + f.read(min(n, 1 << 20)))
+            for k in range(16):
+                f.seek(size * k // 16)
+                h.update(f.read(4096))
+    return "sha256:" + h.hexdigest()
+
+
+def model_identity(model_dir: str | Path) -> tuple[str, str]:
+    """(model id, revision) of a resolved model directory: the repo id and commit of a Hub cache snapshot, else
+    the absolute path and a content fingerprint."""
+    path = Path(model_dir)
+    hub = _hub_parts(path)
+    if hub is not None:
+        return hub
+    return str(path.resolve()), fingerprint(path)
+
+
+# ---------------------------------------------------------------------------------------------- geometry
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class Part:
+    """One packed matrix inside a rank block."""
+
+    name: str  # w1, w3, w2
+    shape: tuple[int, int]  # logical rows, cols of this rank's shard
+    tiles: tuple[int, int]  # tile rows, tile cols after padding to 32
+    offset: int  # bytes from the start of the rank block
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "tiles": list(self.tiles), "offset": self.offset,
+                "bytes": self.nbytes}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Byte layout of every record of a store: the same for all its layers (DSpark stages included)."""
+
+    tp: int
+    tile_format: str
+    hidden: int
+    inter: int
+    align: int = ALIGN
+
+    def __post_init__(self):
+        if self.tile_format not in TILE_FORMATS:
+            raise StoreMismatch(f"unknown tile format {self.tile_format!r} (expected one of {', '.join(TILE_FORMATS)})")
+        if self.tp < 1 or self.inter % self.tp:
+            raise StoreMismatch(
+                f"TP degree {self.tp} does not divide moe_intermediate_size {self.inter}; use a divisor (1, 2, 4, ...)"
+            )
+        if self.hidden % TILE or self.hidden <= 0:
+            raise StoreMismatch(f"hidden_size {self.hidden} is not a positive multiple of {TILE}")
+
+    @property
+    def shard_inter(self) -> int:
+        """Intermediate features per rank."""
+        return self.inter // self.tp
+
+    def rank_slice(self, rank: int) -> tuple[int, int]:
+        """Intermediate feature range [start, stop) of a rank."""
+        if not 0 <= rank < self.tp:
+            raise IndexError(f"rank {rank} out of range 0..{self.tp - 1}")
+        return rank * self.shard_inter, (rank + 1) * self.shard_inter
+
+    @property
+    def parts(self) -> tuple[Part, Part, Part]:
+        i, h = self.shard_inter, self.hidden
+        out, off = [], 0
+        for name, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+            n = bfp.packed_size(shape, self.tile_format)
+            out.append(Part(name, shape, (-(-shape[0] // TILE), -(-shape[1] // TILE)), off, n))
+            off += n
+        return tuple(out)
+
+    @property
+    def shard_bytes(self) -> int:
+        """Packed bytes of one rank's shard of one expert (w1, w3, w2 together), without the padding."""
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def stride(self) -> int:
+        """Bytes from one rank block to the next."""
+        return align_up(self.shard_bytes, self.align)
+
+    @property
+    def record_bytes(self) -> int:
+        return self.tp * self.stride
+
+    def to_json(self) -> dict:
+        return {
+            "hidden_size": self.hidden,
+            "moe_intermediate_size": self.inter,
+            "alignment": self.align,
+            "shard_bytes": self.shard_bytes,
+            "stride": self.stride,
+            "record_bytes": self.record_bytes,
+            "parts": [p.to_json() for p in self.parts],
+        }
+
+
+def layer_file(prefix: str) -> str:
+    """`layers.3.experts.bin`, `mtp.0.experts.bin`: named like the checkpoint tensors they come from."""
+    return f"{prefix}.experts.bin"
+
+
+# ---------------------------------------------------------------------------------------------- manifest
+
+
+@dataclass
+class LayerEntry:
+    layer: int  # layer id; DSpark stage k is num_hidden_layers + k
+    prefix: str  # checkpoint prefix: layers.{i} / mtp.{k}
+    file: str
+    experts: int
+    nbytes: int  # file size
+    crc32: list[list[int]]  # [expert][rank]: crc32 of each rank block
+
+    def to_json(self, record_bytes: int) -> dict:
+        head = {"layer": self.layer, "prefix": self.prefix, "file": self.file, "experts": self.experts,
+                "bytes": self.nbytes}  # fmt: skip
+        recs = [{"expert": e, "offset": e * record_bytes, "crc32": [f"{c:08x}" for c in cs]}
+                for e, cs in enumerate(self.crc32)]  # fmt: skip
+        return {**head, "records": recs}
+
+
+@dataclass
+class StoreManifest:
+    """manifest.json: identity, geometry, and per layer its file, size, and per record offset and checksums."""
+
+    model_id: str
+    revision: str
+    model_name: str
+    geometry: Geometry
+    layers: dict[int, LayerEntry] = field(default_factory=dict)  # finished layers only
+    expected_layers: list[int] = field(default_factory=list)  # every MoE layer of the model
+    format_version: int = FORMAT_VERSION
+    # what the build that returned this manifest did (not stored): built / kept layer ids, bytes, seconds
+    stats: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def tp(self) -> int:
+        return self.geometry.tp
+
+    @property
+    def tile_format(self) -> str:
+        return self.geometry.tile_format
+
+    @property
+    def complete(self) -> bool:
+        return set(self.layers) == set(self.expected_layers)
+
+    def identity(self) -> dict:
+        return {k: getattr(self, k) for k in IDENTITY_KEYS}
+
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.layers.values())
+
+    # ---- JSON (one record per line: readable, and diffs stay small)
+    def to_json(self) -> str:
+        head = {
+            "format": FORMAT,
+            **self.identity(),
+            "model_name": self.model_name,
+            "checksum": CHECKSUM,
+            "complete": self.complete,
+            "expected_layers": sorted(self.expected_layers),
+            **self.geometry.to_json(),
+        }
+        lines = []
+        for k, v in head.items():
+            if k == "parts":
+                inner = ",\n".join("    " + json.dumps(p) for p in v)
+                lines.append(f'  "{k}": [\n{inner}\n  ]')
+            else:
+                lines.append(f"  {json.dumps(k)}: {json.dumps(v)}")
+        text = "{\n" + ",\n".join(lines) + ',\n  "layers": ['
+        rb = self.geometry.record_bytes
+        entries = []
+        for lid in sorted(self.layers):
+            d = self.layers[lid].to_json(rb)
+            recs = d.pop("records")
+            body = ",\n".join("      " + json.dumps(r) for r in recs)
+            entries.append("\n    " + json.dumps(d)[:-1] + ', "records": [\n' + body + "\n    ]}")
+        return text + ",".join(entries) + ("\n  " if entries else "") + "]\n}\n"
+
+    @classmethod
+    def from_json(cls, text: str, where: str = MANIFEST) -> StoreManifest:
+        try:
+            d = json.loads(text)
+            if d.get("format") != FORMAT:
+                raise StoreCorrupt(f"{where} is not a dsflash expert store manifest (format {d.get('format')!r})")
+            version = d["format_version"]
+            if version != FORMAT_VERSION:
+                raise StoreMismatch(
+                    f"{where} has store format version {version!r}, this dsflash reads {FORMAT_VERSION}"
+                )
+            geom = Geometry(int(d["tp"]), d["tile_format"], int(d["hidden_size"]), int(d["moe_intermediate_size"]),
+                            int(d["alignment"]))  # fmt: skip
+            if geom.to_json() != {k: d[k] for k in geom.to_json()}:
+                raise StoreCorrupt(f"{where}: the stated record layout does not follow from its shapes and format")
+            layers = {}
+            for L in d["layers"]:
+                crcs = [[int(c, 16) for c in r["crc32"]] for r in L["records"]]
+                entry = LayerEntry(int(L["layer"]), L["prefix"], L["file"], int(L["experts"]), int(L["bytes"]), crcs)
+                _check_entry(entry, L["records"], geom, where)
+                layers[entry.layer] = entry
+            return cls(d["model_id"], d["revision"], d["model_name"], geom, layers, list(d["expected_layers"]), version)
+        except (StoreCorrupt, StoreMismatch):
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StoreCorrupt(f"{where} is damaged ({type(e).__name__}: {e}); rebuild the store") from None
+
+    @classmethod
+    def read(cls, directory: Path) -> StoreManifest | None:
+        path = Path(directory) / MANIFEST
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            raise StoreCorrupt(f"cannot read {path}: {e}") from None
+        return cls.from_json(text, str(path))
+
+    @staticmethod
+    def read_identity(directory: Path) -> dict | None:
+        """The identity keys of the manifest in a directory, whatever its format version; None without one."""
+        path = Path(directory) / MANIFEST
+        try:
+            d = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise StoreCorrupt(f"{path} is damaged ({e}); rebuild the store") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise StoreCorrupt(f"{path} is not a dsflash expert store manifest")
+        return {k: d.get(k) for k in IDENTITY_KEYS}
+
+    def write(self, directory: Path) -> None:
+        """Atomically: temporary file, fsync, rename, fsync of the directory."""
+        write_atomic(Path(directory) / MANIFEST, self.to_json().encode())
+
+
+def _check_entry(e: LayerEntry, records: list, geom: Geometry, where: str) -> None:
+    rb = geom.record_bytes
+    bad = None
+    if e.nbytes != e.experts * rb or len(records) != e.experts:
+        bad = f"size {e.nbytes} / {len(records)} records for {e.experts} experts of {rb} bytes"
+    elif any(r["offset"] != i * rb or len(r["crc32"]) != geom.tp for i, r in enumerate(records)):
+        bad = "record offsets or checksum counts do not follow the layout"
+    elif "/" in e.file or e.file.startswith("."):
+        bad = f"file name {e.file!r}"
+    if bad:
+        raise StoreCorrupt(f"{where}: layer {e.layer} ({e.prefix}) entry is inconsistent: {bad}")
+
+
+def differences(have: dict, want: dict) -> list[str]:
+    """Human-readable identity differences: 'TP degree 4 (store) vs 2 (requested)'."""
+    return [
+        f"{IDENTITY_WORDS[k]} {have.get(k)!r} (store) vs {want.get(k)!r} (requested)"
+        for k in IDENTITY_KEYS
+        if have.get(k) != want.get(k)
+    ]
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + PARTIAL)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def geometry_for(config, tp: int, tile_format: str) -> Geometry:
+    """Record layout of a ModelConfig's routed experts at a TP degree and tile format."""
+    return Geometry(int(tp), tile_format, config.hidden_size, config.moe_intermediate_size)
+
+
+def moe_layers(config) -> list:
+    """LayerSpecs that own routed experts: every backbone block and DSpark stage."""
+    return [spec for spec in config.layers() if spec.n_experts > 0]
