@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 from functools import cached_property
 from pathlib import Path, PurePosixPath
 
@@ -155,6 +156,15 @@ class Checkpoint:
             path = self.path / file
             self._headers[file] = read_header(path) if path.is_file() else None
         return self._headers[file]
+
+    def close(self) -> None:
+        """Drop the shard mappings. Tensors still viewing one (Engram tables) keep it alive, but its pages leave
+        the resident set until they are read again, so loaded-and-copied weights are not counted twice."""
+        for m in self._maps.values():
+            mm = getattr(m, "_mmap", None)
+            if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+                mm.madvise(mmap.MADV_DONTNEED)
+        self._maps.clear()
 
     def _map(self, path: Path) -> np.memmap:
         key = str(path)

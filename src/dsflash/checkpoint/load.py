@@ -72,7 +72,9 @@ def expert_layer_id(cfg: ModelConfig, kind: str, index: int) -> int:
     return index if kind == "layers" else cfg.num_hidden_layers + index
 
 
-def load_experts(ckpt, cfg: ModelConfig, dspark: bool = True, inter: torch.Tensor | None = None) -> dict:
+def load_experts(
+    ckpt, cfg: ModelConfig, dspark: bool = True, inter: torch.Tensor | None = None, dtype: torch.dtype = torch.float32
+) -> dict:
     """(layer, expert) -> dequantized (w1, w3, w2) fp32 for every routed expert; `inter` selects this rank's
     intermediate rows of w1/w3 and columns of w2 (tensor parallel, -1 = zero padding)."""
     found: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -84,7 +86,7 @@ def load_experts(ckpt, cfg: ModelConfig, dspark: bool = True, inter: torch.Tenso
         t = ckpt.tensor(name)
         if inter is not None:
             t = shard_tensor(t, {1 if m.group(4) == "w2" else 0: inter})
-        found.setdefault(key, {})[m.group(4)] = t
+        found.setdefault(key, {})[m.group(4)] = t.to(dtype)
     out = {}
     for key, parts in found.items():
         if set(parts) != {"w1", "w2", "w3"}:

@@ -20,8 +20,12 @@ def add_parser(sub) -> None:
     p.add_argument("model", help="model directory or Hub repo id[@revision]")
     p.add_argument("--tokens", required=True, type=Path, help='JSON file {"tokens": [...], "prefill": P}')
     p.add_argument("--out", required=True, type=Path, help="output .npz")
-    p.add_argument("--backend", choices=["reference"], default="reference", help="what computes the logits")
+    p.add_argument("--backend", choices=["reference", "engine"], default="reference", help="what computes the logits")
     p.add_argument("--no-qat", action="store_true", help="turn off the model's fake-quant points")
+    p.add_argument("--tp", type=int, default=1, help="engine: tensor-parallel degree")
+    p.add_argument("--expert-slots", type=int, default=4500, help="engine: device expert slots")
+    p.add_argument("--expert-format", choices=["bfp4_b", "bfp8_b"], default="bfp4_b", help="engine: expert tiles")
+    p.add_argument("--cache-dir", default=None, help="engine: expert store root (default $DSFLASH_CACHE)")
     p.set_defaults(run=run)
 
 
@@ -48,18 +52,16 @@ def run(args) -> int:
     import numpy as np
 
     from dsflash.runtime.scoring import decode_logits, prefill_logits
-    from dsflash.service import open_reference
 
     tokens, prefill = read_tokens(args.tokens)
-    _, ref = open_reference(args.model, qat=not args.no_qat, dspark=False)
-    state = ref.model.new_state(len(tokens))
-
-    def forward(t, start_pos, fresh):
-        if fresh:
-            state.reset()
-        return ref.model(t, start_pos, state, ref.experts)
-
-    out = {"prefill_logits": prefill_logits(forward, tokens), "decode_logits": decode_logits(forward, tokens, prefill)}
+    if args.tp < 1 or args.expert_slots < 1:
+        raise InvalidRequest("--tp and --expert-slots must be >= 1")
+    forward, close = _backend(args, len(tokens))
+    try:
+        out = {"prefill_logits": prefill_logits(forward, tokens),
+               "decode_logits": decode_logits(forward, tokens, prefill)}  # fmt: skip
+    finally:
+        close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(args.out, **out)
     print(
@@ -68,8 +70,37 @@ def run(args) -> int:
                 "out": str(args.out),
                 "tokens": len(tokens),
                 "prefill": prefill,
+                "backend": args.backend,
                 "vocab": int(out["prefill_logits"].shape[1]),
             }
         )
     )
     return 0
+
+
+def _backend(args, max_len: int):
+    """(Forward, close) for the chosen backend."""
+    from dsflash.gates.reference import reference_forward, runner_forward
+    from dsflash.service.files import open_files
+
+    files = open_files(args.model)
+    if args.backend == "reference":
+        from dsflash.runtime.loader import load_reference
+
+        ref = load_reference(files.ckpt, files.token_map, qat=not args.no_qat, dspark=False)
+        return reference_forward(ref, max_len), lambda: None
+    from dsflash.runtime.rank import EngineOptions
+    from dsflash.runtime.workers import TPRunner
+    from dsflash.store.build import build_store
+
+    build_store(files.ckpt, args.cache_dir, tp=args.tp, fmt=args.expert_format, progress=False, rebuild=True)
+    opts = EngineOptions(
+        str(files.path),
+        max_len,
+        expert_slots=args.expert_slots,
+        expert_format=args.expert_format,
+        cache_dir=args.cache_dir,
+        qat=not args.no_qat,
+    )
+    runner = TPRunner(opts, args.tp, files.token_map, files.ckpt.config.vocab_size)
+    return runner_forward(runner), runner.close

@@ -189,7 +189,5 @@ class Attention(nn.Module):
         if self.groups_local * self.per_group != self.n_local:  # heads of groups held by other ranks count as 0
             full = o.new_zeros(b, s, self.groups_local * self.per_group, self.head_dim)
             o = full.index_copy(2, self.head_slot.to(o.device), o)
-        o = o.reshape(b, s, self.groups_local, -1)
-        wo_a = self.wo_a.weight.view(self.groups_local, self.o_lora_rank, -1)
-        u = torch.einsum("bsgd,grd->bsgr", o.to(wo_a.dtype), wo_a)
+        u = self.wo_a.grouped(o.reshape(b, s, self.groups_local, -1), self.groups_local)
         return self.wo_b(u.flatten(2))

@@ -74,15 +74,17 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight).float()
         local = ids - self.tp.rank * self.part
         off = (local < 0) | (local >= self.part)
-        y = F.embedding(local.masked_fill(off, 0), self.weight).masked_fill(off.unsqueeze(-1), 0)
+        y = F.embedding(local.masked_fill(off, 0), self.weight).float().masked_fill(off.unsqueeze(-1), 0)
         return self.tp.all_reduce(y)
 
 
 class Head(nn.Module):
     """fp32 logits, vocab-split over ranks and gathered."""
+
+    packed = None  # a runtime's device format for the weight (layers.PackedWeight)
 
     def __init__(self, vocab: int, dim: int, tp: TP):
         super().__init__()
@@ -90,5 +92,10 @@ class Head(nn.Module):
         self.weight = _param(tp.part(vocab), dim, shard={0: tp.indices(vocab)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last(F.linear(x.float(), self.weight.float()))
+        if self.packed is not None:
+            local = self.packed.linear(x)
+        else:
+            w = self.weight
+            local = F.linear(x.to(w.dtype), w).float()
+        logits = self.tp.all_gather_last(local)
         return logits[..., : self.vocab]  # an uneven split pads the last rank

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsflash.config import LayerSpec, ModelConfig
@@ -77,7 +76,7 @@ class ConfidenceHead(nn.Module):
         self.proj = Linear(dim, 1)
 
     def forward(self, y: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        return F.linear(torch.cat([y, emb], dim=-1).float(), self.proj.weight.float()).squeeze(-1)
+        return self.proj(torch.cat([y, emb], dim=-1).float()).float().squeeze(-1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

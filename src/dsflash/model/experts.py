@@ -32,7 +32,8 @@ def expert_ffn(
     weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One SwiGLU expert; the routing weight scales the activation before w2. x [t, d] -> fp32 [t, d]"""
-    h = swiglu(F.linear(x, w1), F.linear(x, w3), limit)
+    xw = x.to(w1.dtype)
+    h = swiglu(F.linear(xw, w1), F.linear(xw, w3), limit)
     if weight is not None:
         h = weight * h
     return F.linear(h.to(w2.dtype), w2).float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,22 @@ def _param(*shape: int, dtype: torch.dtype = torch.float32, shard: dict | None =
     return p
 
 
+class PackedWeight(Protocol):
+    """A weight kept in a device format (FP8 blocks, bf16, ...) with its own matmul kernel."""
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> fp32 [..., out]"""
+        ...
+
+    def rows(self, start: int, stop: int) -> PackedWeight:
+        """The output rows [start, stop) as a weight of their own (a view)."""
+        ...
+
+
 class Linear(nn.Module):
-    """y = x W^T with W [out, in] (dequantized at load)."""
+    """y = x W^T with W [out, in] (dequantized at load). A runtime may pack W for its device (`packed`)."""
+
+    packed: PackedWeight | None = None
 
     def __init__(self, in_features: int, out_features: int, shard: dict | None = None):
         super().__init__()
@@ -31,7 +46,20 @@ class Linear(nn.Module):
         self.weight = _param(out_features, in_features, shard=shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
+        """The wider of x's and W's dtype: a bf16 weight rounds the matmul input, not the fp32 activations after it."""
+        if self.packed is not None:
+            return self.packed.linear(x)
+        w = self.weight
+        return F.linear(x.to(w.dtype), w).to(torch.promote_types(x.dtype, w.dtype))
+
+    def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor:
+        """Block-diagonal use of W viewed as [groups, out/groups, in]: x [..., groups, in] -> [..., groups, out/g]."""
+        per = self.out_features // groups
+        if self.packed is not None:
+            parts = [self.packed.rows(g * per, (g + 1) * per).linear(x[..., g, :]) for g in range(groups)]
+            return torch.stack(parts, dim=-2)
+        w = self.weight.view(groups, per, -1)
+        return torch.einsum("...gd,grd->...gr", x.to(w.dtype), w).to(torch.promote_types(x.dtype, w.dtype))
 
 
 class ColumnParallelLinear(Linear):
@@ -42,15 +70,19 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """Input features split over ranks; the partial sums are all-reduced. `cols` overrides the even split."""
+    """Input features split over ranks; the partial sums are all-reduced (unless the caller folds the reduction
+    into a later one: reduce=False). `cols` overrides the even split."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TP, cols: torch.Tensor | None = None):
+    def __init__(
+        self, in_features: int, out_features: int, tp: TP, cols: torch.Tensor | None = None, reduce: bool = True
+    ):
         cols = tp.indices(in_features) if cols is None else cols
         super().__init__(cols.numel(), out_features, shard={1: cols})
-        self.tp = tp
+        self.tp, self.reduce = tp, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+        y = super().forward(x)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
 class RMSNorm(nn.Module):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsflash.config import LayerSpec, ModelConfig
-from dsflash.model.experts import ExpertBackend, expert_ffn
+from dsflash.model.experts import ExpertBackend, swiglu
 from dsflash.model.layers import ColumnParallelLinear, RowParallelLinear, _param
 from dsflash.model.parallel import TP
 
@@ -46,12 +46,12 @@ class SharedExpert(nn.Module):
         d, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.w1 = ColumnParallelLinear(d, inter, tp)
         self.w3 = ColumnParallelLinear(d, inter, tp)
-        self.w2 = RowParallelLinear(inter, d, tp)  # its all-reduce is folded into the MoE's one
+        self.w2 = RowParallelLinear(inter, d, tp, reduce=False)  # reduced together with the routed experts
         self.limit = cfg.swiglu_limit
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output, fp32 [t, d] (V4.1 clamps the shared expert too)."""
-        return expert_ffn(x, self.w1.weight, self.w3.weight, self.w2.weight, self.limit)
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit)).float()
 
 
 class MoE(nn.Module):

@@ -94,6 +94,11 @@ class Engine:
                 self.current = handle
                 try:
                     self._run(handle)
+                except EngineDead as e:  # the runner is gone (a rank died): no later request can run either
+                    self.counters["failed"] += 1
+                    handle.close(e)
+                    handle = None
+                    raise
                 except Exception as e:  # one request's failure (e.g. in sampling) must not stop the engine
                     log.exception("request %s failed", handle.request.request_id)
                     self.counters["failed"] += 1
@@ -102,8 +107,8 @@ class Engine:
                     self.current = None
                 handle = None
         except BaseException as e:  # the thread itself is going down: fail everyone, never hang them
-            log.exception("engine thread died")
-            self.queue.fail_all(EngineDead(f"the engine failed: {e}"))
+            log.error("engine thread stopped: %s", e)
+            self.queue.fail_all(e if isinstance(e, EngineDead) else EngineDead(f"the engine failed: {e}"))
             if handle is not None:
                 handle.close(EngineDead(f"the engine failed: {e}"))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.load import load_experts, load_into
 from dsflash.config import ModelConfig
@@ -28,9 +30,19 @@ def build_model(
     return model.eval()
 
 
-def load_reference(ckpt: Checkpoint, token_map: list[int] | None, qat: bool = True, dspark: bool = True) -> LoadedModel:
-    """DeepSeek's math on the CPU in fp32 with every expert resident: the quality reference."""
+def load_reference(
+    ckpt: Checkpoint,
+    token_map: list[int] | None,
+    qat: bool = True,
+    dspark: bool = True,
+    expert_dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """DeepSeek's math on the CPU in fp32 with every expert resident: the quality reference.
+
+    expert_dtype bfloat16 holds the same expert values (FP4 x E8M0 is exact in bf16) in half the memory, at the
+    price of bf16-rounded activations inside the experts: for speed baselines of wide models, not for gates.
+    """
     cfg = ckpt.config
     model = build_model(ckpt, token_map, qat=qat, dspark=dspark)
-    experts = ResidentExperts(load_experts(ckpt, cfg, dspark=dspark), cfg.swiglu_limit)
+    experts = ResidentExperts(load_experts(ckpt, cfg, dspark=dspark, dtype=expert_dtype), cfg.swiglu_limit)
     return LoadedModel(cfg, model, experts)

@@ -79,6 +79,7 @@ class Sampler:
             sorted_p, order = probs.sort(descending=True)
             # drop a token once the mass before it already reaches top_p; the first always stays
             drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
+            drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
             probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0))
         return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
 

@@ -35,7 +35,7 @@ from dsflash.errors import StoreCorrupt, StoreMismatch
 from dsflash.formats import bfp
 
 FORMAT = "dsflash-expert-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: w2 shards narrower than a face row are rounded over the whole matrix
 TILE_FORMATS = ("bfp4_b", "bfp8_b")
 ALIGN = 4096
 CHECKSUM = "crc32"

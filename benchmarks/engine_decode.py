@@ -1,0 +1,148 @@
+"""Engine decode and TTFT against the reference model on the same checkpoint, plus memcpy bandwidth.
+
+(a) the tiny fixture, (b) a generated checkpoint with the real V4.1 widths, 4 layers and 32 experts per layer,
+served with fewer slots than experts. Prints one table per model and the ratios the targets are about:
+decode >= 3x the reference at TP 1, weight bytes read per decoded token at >= 50 % of memcpy bandwidth.
+
+    .venv/bin/python benchmarks/engine_decode.py [--decode N] [--prefill T] [--slots S] [--only tiny|real]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _models import CACHE, TINY, generated, real_width_config  # noqa: E402
+from dsflash.checkpoint.index import Checkpoint  # noqa: E402
+from dsflash.gates.reference import reference_forward, runner_forward  # noqa: E402
+from dsflash.runtime.loader import load_reference  # noqa: E402
+from dsflash.runtime.rank import EngineOptions  # noqa: E402
+from dsflash.runtime.workers import TPRunner  # noqa: E402
+from dsflash.store.build import build_store  # noqa: E402
+from dsflash.text.token_map import compressed_token_map  # noqa: E402
+from dsflash.text.tokenizer import Tokenizer  # noqa: E402
+
+
+def memcpy_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return nbytes / min(times) / 1e9
+
+
+def time_forward(forward, prompt: list[int], steps: int) -> tuple[float, float]:
+    """(TTFT seconds of a prompt prefill, seconds per decode step) with greedy feeding; forward is a
+    runtime.scoring.Forward."""
+    t = time.perf_counter()
+    logits = forward(torch.tensor([prompt]), 0, True)[0]
+    ttft = time.perf_counter() - t
+    token, pos = int(logits[-1].argmax()), len(prompt)
+    t = time.perf_counter()
+    for _ in range(steps):
+        logits = forward(torch.tensor([[token]]), pos, False)[0]
+        token, pos = int(logits[-1].argmax()), pos + 1
+    return ttft, (time.perf_counter() - t) / steps
+
+
+def dense_bytes(model) -> int:
+    """Bytes of every dense weight a decode step reads (all parameters and the Engram rows it gathers)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, threads: int) -> dict:
+    ckpt = Checkpoint.open(model_dir)
+    cfg = ckpt.config
+    tok = Tokenizer.from_dir(model_dir, cfg.model_type)
+    token_map = compressed_token_map(tok.backend) if cfg.engram_layer_ids else None
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(3, min(cfg.vocab_size, 100000), prompt_len)]
+    max_len = prompt_len + steps + 1
+    wide = cfg.hidden_size >= 1024
+    torch.set_num_threads(threads)
+
+    ref = load_reference(
+        ckpt, token_map, qat=False, dspark=False, expert_dtype=torch.bfloat16 if wide else torch.float32
+    )
+    ref_ttft, ref_step = time_forward(reference_forward(ref, max_len), prompt, steps)
+    ref_bytes = dense_bytes(ref.model)
+    del ref
+    gc.collect()
+
+    cache = str(CACHE / "stores")
+    t = time.perf_counter()
+    build_store(ckpt, cache, tp=1, fmt="bfp4_b", progress=False)
+    store_s = time.perf_counter() - t
+    opts = EngineOptions(str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads)
+    runner = TPRunner(opts, 1, token_map, cfg.vocab_size)
+    before = dict(runner.counters())
+    eng_ttft, eng_step = time_forward(runner_forward(runner), prompt, steps)
+    c = runner.counters()
+    shard = runner.rank0.experts.layout.nbytes
+    routed = sum(s.n_active for s in cfg.layers() if not s.is_dspark)
+    eng_dense = dense_bytes(runner.rank0.model) + runner.rank0.dense_bytes
+    runner.close()
+
+    lookups = (c["hits"] - before["hits"]) + (c["misses"] - before["misses"])
+    copied = c["bytes_copied"] - before["bytes_copied"]
+    decode_misses = c["misses"] - before["misses"]
+    # per decoded token: every dense byte, the routed experts' slot bytes, and the bytes copied into slots
+    per_token = eng_dense + routed * shard + copied / max(1, steps + 1)
+    gbps = memcpy_gbps()
+    return {
+        "model": name,
+        "threads": threads,
+        "slots": slots,
+        "experts": sum(s.n_experts for s in cfg.layers() if not s.is_dspark),
+        "ref_ttft_s": ref_ttft,
+        "ref_tok_s": 1 / ref_step,
+        "engine_ttft_s": eng_ttft,
+        "engine_tok_s": 1 / eng_step,
+        "decode_speedup": ref_step / eng_step,
+        "ttft_speedup": ref_ttft / eng_ttft,
+        "hit_rate": (lookups - decode_misses) / lookups if lookups else 0.0,
+        "streamed_mb_per_token": copied / max(1, steps + 1) / 1e6,
+        "weight_mb_per_token": per_token / 1e6,
+        "ref_weight_mb_per_token": ref_bytes / 1e6,
+        "weight_gb_s": per_token / eng_step / 1e9,
+        "memcpy_gb_s": gbps,
+        "weight_bw_vs_memcpy": per_token / eng_step / 1e9 / gbps,
+        "store_build_s": store_s,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--slots", type=int, default=96, help="slots for the real-width model (it has 128 experts)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--only", choices=["tiny", "real"])
+    args = ap.parse_args()
+    rows = []
+    if args.only != "real":
+        rows.append(bench("tiny_a fixture", TINY, args.prefill, max(args.decode, 32), 12, args.threads))
+    if args.only != "tiny":
+        real = generated("real4x32", real_width_config(4, 32))
+        rows.append(
+            bench("V4.1 widths, 4 layers x 32 experts", real, args.prefill, args.decode, args.slots, args.threads)
+        )
+    for r in rows:
+        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
+
+
+if __name__ == "__main__":
+    main()

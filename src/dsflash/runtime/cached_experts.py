@@ -1,0 +1,76 @@
+"""ExpertBackend over a fixed pool of device slots filled from the packed store on demand (an LRU).
+
+Expert-major: every call makes each routed expert resident once and applies it to all the tokens routed to it,
+which is what makes a prefill chunk cost one pass over the experts it touches.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from dsflash.runtime.device import Device, PackedMatrix, ShardLayout
+from dsflash.runtime.slots import SlotPool
+
+
+def shard_layout(geometry) -> ShardLayout:
+    """The store's per-rank layout (store.layout.Geometry) as the device sees it."""
+    mats = [PackedMatrix(p.offset, p.nbytes, p.tiles[0] * 32, p.tiles[1] * 32) for p in geometry.parts]
+    return ShardLayout(geometry.tile_format, *mats, nbytes=geometry.shard_bytes)
+
+
+class CachedExperts:
+    def __init__(self, store, device: Device, n_slots: int, rank: int, swiglu_limit: float):
+        self.store, self.device, self.rank, self.limit = store, device, rank, swiglu_limit
+        self.layout = shard_layout(store.geometry)
+        self.pool = SlotPool(n_slots)
+        self.slots = device.allocate(n_slots, self.layout.nbytes)
+        self._fds: dict[int, int] = {}
+        self.bytes_copied = 0
+        self.copy_s = 0.0
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        y = torch.zeros(x.shape, dtype=torch.float32)
+        x = x.float()
+        experts = torch.unique(ids).tolist()
+        # resident experts first: pinned before any miss can evict them
+        experts.sort(key=lambda e: ((layer, e) not in self.pool, e))
+        for start in range(0, len(experts), self.pool.n_slots):
+            wave = experts[start : start + self.pool.n_slots]
+            slots = self._acquire(layer, wave)
+            for e, slot in zip(wave, slots, strict=True):
+                tok, k = torch.where(ids == e)
+                y[tok] += self.device.expert(self.slots, slot, self.layout, x[tok], weights[tok, k, None], self.limit)
+            for e in wave:
+                self.pool.release((layer, e))
+        return y
+
+    def _acquire(self, layer: int, experts: list[int]) -> list[int]:
+        got = [self.pool.acquire((layer, e)) for e in experts]
+        missing = [(e, slot) for e, (slot, hit) in zip(experts, got, strict=True) if not hit]
+        if missing:
+            t0 = time.perf_counter()
+            fd, ranges = self._fd(layer), [self.store.shard_range(layer, e, self.rank) for e, _ in missing]
+            for _, off, n in ranges:  # start the page-cache reads of all misses before copying the first
+                os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+            for (_, slot), (_, off, n) in zip(missing, ranges, strict=True):
+                self.device.load(self.slots, slot, fd, off, n)
+                self.bytes_copied += n
+            self.copy_s += time.perf_counter() - t0
+        return [slot for slot, _ in got]
+
+    def _fd(self, layer: int) -> int:
+        if layer not in self._fds:
+            path, _, _ = self.store.shard_range(layer, 0, self.rank)
+            self._fds[layer] = os.open(path, os.O_RDONLY)
+        return self._fds[layer]
+
+    def counters(self) -> dict:
+        return {**self.pool.counters(), "bytes_copied": self.bytes_copied, "copy_s": self.copy_s}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

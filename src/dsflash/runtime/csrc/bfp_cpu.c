@@ -1,0 +1,150 @@
+/* CPU kernels over Tenstorrent block-float tiles (bfp4_b / bfp8_b), the format of the expert slots.
+ *
+ * Layout (docs/bfp_format.md): 32x32 tiles in row-major tile order; a tile is 64 exponent bytes (face f, row r at
+ * 16f + r) followed by the codes of faces 0..3 (face 0 = rows 0-15 x cols 0-15, 1 = rows 0-15 x cols 16-31,
+ * 2 = rows 16-31 x cols 0-15, 3 = rows 16-31 x cols 16-31), each face 16 rows of 16 sign-magnitude codes.
+ * value = (-1)^s * q * 2^(E - 127 - (m - 1)) with m = 3 (bfp4_b: nibbles, low nibble first) or 7 (bfp8_b: bytes).
+ *
+ * Built at first use with the system C compiler (-O3 -march=native) by runtime/native.py; the generic loops
+ * below are the fallback the compiler vectorizes where AVX-512 is absent. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define TILE_ROWS_PER_HALF 16
+
+static inline int tile_bytes(int m) { return 64 + 1024 * (m + 1) / 8; }
+static inline int face_bytes(int m) { return 256 * (m + 1) / 8; }
+static inline int row_bytes(int m) { return 16 * (m + 1) / 8; }
+
+static void scales(int m, float *sc) {
+    for (int e = 0; e < 256; e++) sc[e] = ldexpf(1.0f, e - 127 - (m - 1));
+}
+
+static inline void decode_row(const uint8_t *d, int m, float *v) {
+    if (m == 3) {
+        for (int j = 0; j < 8; j++) {
+            int lo = d[j] & 15, hi = d[j] >> 4;
+            v[2 * j] = (lo & 8) ? -(float)(lo & 7) : (float)(lo & 7);
+            v[2 * j + 1] = (hi & 8) ? -(float)(hi & 7) : (float)(hi & 7);
+        }
+    } else {
+        for (int j = 0; j < 16; j++) v[j] = (d[j] & 128) ? -(float)(d[j] & 127) : (float)(d[j] & 127);
+    }
+}
+
+#ifdef __AVX512F__
+static inline __m512 decode_row_avx512(const uint8_t *d, int m) {
+    if (m == 3) {
+        const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -0.0f, -1, -2, -3, -4, -5, -6, -7);
+        const __m128i low4 = _mm_set1_epi8(15);
+        __m128i b = _mm_loadl_epi64((const __m128i *)d);
+        __m128i lo = _mm_and_si128(b, low4);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), lut);
+    }
+    __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)d));
+    __m512 mag = _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(127)));
+    __m512i sgn = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(128)), 24);
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(mag), sgn));
+}
+#endif
+
+/* y[k, o] = sum_i W[o, i] x[k, i] for tile rows [tr0, tr1).
+ * tiles: W [tr*32, tc*32] packed; x: [nx, tc*32] fp32; y: [nx, tr*32] fp32. Best for a few vectors (decode). */
+void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int nx, float *y, int tr0, int tr1) {
+    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
+    const int in = tc * 32, out = tr * 32;
+    float sc[256];
+    scales(m, sc);
+#ifdef __AVX512F__
+    for (int k0 = 0; k0 < nx; k0 += 4) {
+        int kn = nx - k0 < 4 ? nx - k0 : 4;
+        for (int ti = tr0; ti < tr1; ti++) {
+            for (int h = 0; h < 2; h++) { /* 16 output rows at a time: 16 (x kn) accumulators stay in registers */
+                __m512 acc[4][16];
+                for (int k = 0; k < kn; k++)
+                    for (int r = 0; r < 16; r++) acc[k][r] = _mm512_setzero_ps();
+                for (int tj = 0; tj < tc; tj++) {
+                    const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+                    for (int fc = 0; fc < 2; fc++) {
+                        int f = 2 * h + fc;
+                        __m512 xv[4];
+                        for (int k = 0; k < kn; k++) xv[k] = _mm512_loadu_ps(x + (size_t)(k0 + k) * in + tj * 32 + fc * 16);
+                        const uint8_t *d = t + 64 + f * fb;
+                        for (int r = 0; r < 16; r++) {
+                            int e = t[16 * f + r];
+                            if (e == 0) continue; /* an all-zero (or flushed) row */
+                            __m512 v = _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[e]));
+                            for (int k = 0; k < kn; k++) acc[k][r] = _mm512_fmadd_ps(v, xv[k], acc[k][r]);
+                        }
+                    }
+                }
+                for (int k = 0; k < kn; k++)
+                    for (int r = 0; r < 16; r++)
+                        y[(size_t)(k0 + k) * out + ti * 32 + 16 * h + r] = _mm512_reduce_add_ps(acc[k][r]);
+            }
+        }
+    }
+#else
+    float v[16];
+    for (int ti = tr0; ti < tr1; ti++) {
+        for (int k = 0; k < nx; k++) memset(y + (size_t)k * out + ti * 32, 0, 32 * sizeof(float));
+        for (int tj = 0; tj < tc; tj++) {
+            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+            for (int f = 0; f < 4; f++) {
+                const uint8_t *d = t + 64 + f * fb;
+                for (int r = 0; r < 16; r++) {
+                    int e = t[16 * f + r];
+                    if (e == 0) continue;
+                    decode_row(d + r * rb, m, v);
+                    for (int k = 0; k < nx; k++) {
+                        const float *xs = x + (size_t)k * in + tj * 32 + (f & 1) * 16;
+                        float dot = 0;
+                        for (int c = 0; c < 16; c++) dot += v[c] * xs[c];
+                        y[(size_t)k * out + ti * 32 + (f >> 1) * 16 + r] += sc[e] * dot;
+                    }
+                }
+            }
+        }
+    }
+#endif
+}
+
+/* W rows of tile rows [tr0, tr1) -> bfloat16 bits, row-major [tr*32, tc*32] (exact for normal values: q has at most
+ * 7 significant bits). */
+void bfp_to_bf16(const uint8_t *tiles, int tr, int tc, int m, uint16_t *out, int tr0, int tr1) {
+    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
+    const size_t width = (size_t)tc * 32;
+    float sc[256], v[16];
+    scales(m, sc);
+    for (int ti = tr0; ti < tr1; ti++) {
+        for (int tj = 0; tj < tc; tj++) {
+            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+            for (int f = 0; f < 4; f++) {
+                const uint8_t *d = t + 64 + f * fb;
+                for (int r = 0; r < 16; r++) {
+                    uint16_t *o = out + ((size_t)ti * 32 + (f >> 1) * 16 + r) * width + tj * 32 + (f & 1) * 16;
+                    int e = t[16 * f + r];
+#ifdef __AVX512F__
+                    __m512 x = _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[e]));
+                    /* the top half of an fp32 whose low 16 bits are zero is its exact bf16 */
+                    __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
+                    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bits));
+#else
+                    decode_row(d + r * rb, m, v);
+                    for (int c = 0; c < 16; c++) {
+                        float x = v[c] * sc[e];
+                        uint32_t b;
+                        memcpy(&b, &x, 4);
+                        o[c] = (uint16_t)(b >> 16);
+                    }
+#endif
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,111 @@
+/* CPU GEMV kernels for the engine's dense weights, fp32 in and out so that tensor-parallel partial sums are
+ * exact fp32 products (a TP-4 run then equals a TP-1 run to float32 noise):
+ *   fp8_gemv:  W is FP8 E4M3 [O, I] with one power-of-two fp32 scale per (B x B) block (the checkpoint's layout),
+ *   bf16_gemv: W is bfloat16 [O, I].
+ * y[k, o] = sum_i W[o, i] x[k, i] for rows [r0, r1); x [nx, I], y [nx, O]. Built like bfp_cpu.c. */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* E4M3 byte -> fp32, exact. */
+static inline float e4m3_scalar(uint8_t b) {
+    int e = (b >> 3) & 15, m = b & 7;
+    float v = e ? (1.0f + m / 8.0f) * (float)(1 << e) / 128.0f : m / 512.0f;
+    return (b & 128) ? -v : v;
+}
+
+static inline float bf16_scalar(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+#ifdef __AVX512F__
+/* 32 E4M3 bytes -> two vectors of 16 fp32 times 2^-8: the 7 magnitude bits placed in an fp16 keep the 3-bit
+ * mantissa and shift the exponent bias from 7 to 15, subnormals included; the 2^8 goes into the block scale. */
+static inline void e4m3x32(const uint8_t *p, __m512 *lo, __m512 *hi) {
+    __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __m512i f16 = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(0x3F80)),
+                                  _mm512_and_si512(_mm512_slli_epi16(h, 8), _mm512_set1_epi16((short)0x8000)));
+    *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(f16));
+    *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1));
+}
+#endif
+
+/* fp32 scale per block, pre-multiplied by 2^8 for the vector decode above */
+void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int nx, float *y, int r0,
+              int r1) {
+    const int nbc = (I + B - 1) / B;
+    for (int o = r0; o < r1; o++) {
+        const uint8_t *row = w + (size_t)o * I;
+        const float *sr = scale + (size_t)(o / B) * nbc;
+        for (int k0 = 0; k0 < nx; k0 += 2) {
+            int kn = nx - k0 < 2 ? nx - k0 : 2;
+            const float *x0 = x + (size_t)k0 * I, *x1 = x0 + (kn > 1 ? I : 0);
+            float acc0 = 0, acc1 = 0;
+            int c = 0;
+#ifdef __AVX512F__
+            if (B % 32 == 0) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(),
+                       b1 = _mm512_setzero_ps();
+                for (; c + 32 <= I; c += 32) {
+                    __m512 lo, hi, s = _mm512_set1_ps(sr[c / B]);
+                    e4m3x32(row + c, &lo, &hi);
+                    lo = _mm512_mul_ps(lo, s);
+                    hi = _mm512_mul_ps(hi, s);
+                    a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x0 + c), a0);
+                    a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x0 + c + 16), a1);
+                    b0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x1 + c), b0);
+                    b1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x1 + c + 16), b1);
+                }
+                acc0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+                acc1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+            }
+#endif
+            for (; c < I; c++) {
+                float v = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
+                acc0 += v * x0[c];
+                acc1 += v * x1[c];
+            }
+            y[(size_t)k0 * O + o] = acc0;
+            if (kn > 1) y[(size_t)(k0 + 1) * O + o] = acc1;
+        }
+    }
+}
+
+void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y, int r0, int r1) {
+    for (int o = r0; o < r1; o++) {
+        const uint16_t *row = w + (size_t)o * I;
+        for (int k0 = 0; k0 < nx; k0 += 2) {
+            int kn = nx - k0 < 2 ? nx - k0 : 2;
+            const float *x0 = x + (size_t)k0 * I, *x1 = x0 + (kn > 1 ? I : 0);
+            float acc0 = 0, acc1 = 0;
+            int c = 0;
+#ifdef __AVX512F__
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(),
+                   b1 = _mm512_setzero_ps();
+            for (; c + 32 <= I; c += 32) {
+                __m512i h = _mm512_loadu_si512((const void *)(row + c));
+                __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+                __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+                a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x0 + c), a0);
+                a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x0 + c + 16), a1);
+                b0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x1 + c), b0);
+                b1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x1 + c + 16), b1);
+            }
+            acc0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+            acc1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+#endif
+            for (; c < I; c++) {
+                float v = bf16_scalar(row[c]);
+                acc0 += v * x0[c];
+                acc1 += v * x1[c];
+            }
+            y[(size_t)k0 * O + o] = acc0;
+            if (kn > 1) y[(size_t)(k0 + 1) * O + o] = acc1;
+        }
+    }
+}

@@ -1,0 +1,101 @@
+"""The engine's dense weights: FP8 blocks where the checkpoint has FP8, bfloat16 elsewhere; fp32 products.
+
+Both formats hold the checkpoint's values exactly (FP8 x power-of-two block scale; BF16), and both multiply with
+fp32 activations into fp32 outputs, so tensor-parallel partial sums differ from a TP-1 run only in summation
+order. Few rows (decode) run the native GEMV kernels at about one read of the weight; many rows (prefill) expand
+the weight to fp32 and use the BLAS.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsflash.formats import fp8
+from dsflash.model.block import Head
+from dsflash.model.layers import Linear
+from dsflash.runtime import native
+
+GEMV_MAX_ROWS = 8
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+class Fp8Weight:
+    """FP8 E4M3 [O, I] with one power-of-two scale per block x block tile."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block: int):
+        self.q, self.block = q, block
+        self.scale = scale  # fp32 [ceil(O/B), ceil(I/B)]
+        self.scale256 = (scale * 256).contiguous()  # the kernel's decode leaves a 2^-8 for the scale to undo
+
+    @classmethod
+    def exact(cls, w: torch.Tensor, block: int) -> Fp8Weight | None:
+        """Quantize a weight that came from FP8 blocks; None if that does not reproduce it exactly."""
+        q, s = fp8.quant_block(w.float(), block)
+        s = s.float()
+        if not torch.equal(fp8.dequant_block(q, s, block), w.float()):
+            return None
+        return cls(q.view(torch.uint8).contiguous(), s, block)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        flat, lead = _rows(x)
+        if flat.shape[0] <= GEMV_MAX_ROWS:
+            y = native.fp8_gemv(self.q, self.scale256, self.block, flat)
+            if y is not None:
+                return y.view(*lead, -1)
+        w = fp8.dequant_block(self.q.view(torch.float8_e4m3fn), self.scale, self.block)
+        return F.linear(flat.float(), w).view(*lead, -1)
+
+    def rows(self, start: int, stop: int) -> Fp8Weight:
+        if start % self.block or (stop % self.block and stop != self.q.shape[0]):
+            raise ValueError(f"rows {start}:{stop} do not follow the {self.block}-row scale blocks")
+        b0, b1 = start // self.block, -(-stop // self.block)
+        return Fp8Weight(self.q[start:stop], self.scale[b0:b1], self.block)
+
+
+class Bf16Weight:
+    def __init__(self, w: torch.Tensor):
+        self.w = w.to(torch.bfloat16).contiguous()
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        flat, lead = _rows(x)
+        if flat.shape[0] <= GEMV_MAX_ROWS:
+            y = native.bf16_gemv(self.w, flat)
+            if y is not None:
+                return y.view(*lead, -1)
+        return F.linear(flat.float(), self.w.float()).view(*lead, -1)
+
+    def rows(self, start: int, stop: int) -> Bf16Weight:
+        return Bf16Weight(self.w[start:stop])
+
+
+def pack_dense(model: nn.Module, ckpt, fmt: str = "fp8") -> int:
+    """Replace every matrix of `model` by its device format; returns the bytes the packed weights hold.
+
+    fmt "fp8": FP8 where the checkpoint stores FP8, bf16 elsewhere. fmt "bf16": bf16 everywhere.
+    """
+    block = ckpt.config.fp8_block
+    total = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, Linear | Head):
+            continue
+        packed = None
+        stored = ckpt.entry(f"{name}.weight").dtype if f"{name}.weight" in ckpt else None
+        if fmt == "fp8" and stored == "F8_E4M3":
+            packed = Fp8Weight.exact(m.weight.data, block)
+        if packed is None:
+            packed = Bf16Weight(m.weight.data)
+        m.packed = packed
+        m.weight.data = torch.empty(0)  # the packed copy is the weight now
+        total += _nbytes(packed)
+    return total
+
+
+def _nbytes(p) -> int:
+    if isinstance(p, Fp8Weight):
+        return p.q.numel() + p.scale.numel() * 4
+    return p.w.numel() * 2

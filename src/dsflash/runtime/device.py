@@ -1,0 +1,106 @@
+"""Device: where the expert slots live and how an expert's packed tiles are applied to activations.
+
+The engine only needs three things from a device: a pool of fixed-size slot buffers allocated once, a copy of a
+store range into a slot, and the expert FFN computed straight from a slot's block-float tiles. CPU is below; a
+Tenstorrent or CUDA back end implements the same three calls.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dsflash.model.experts import swiglu
+from dsflash.runtime import native
+
+# rows of x at or below which the expert runs as fused GEMVs on the packed tiles (decode); above it the tiles are
+# expanded to bf16 once and multiplied as matrices (prefill, expert-major: many tokens per expert)
+GEMV_MAX_ROWS = 4
+
+
+@dataclass(frozen=True)
+class PackedMatrix:
+    """One packed matrix inside a slot: byte range and the padded (multiple-of-32) shape its tiles cover."""
+
+    offset: int
+    nbytes: int
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A rank's shard of one expert in a slot: w1, w3 [inter_pad, d], w2 [d, inter_pad], in this tile format."""
+
+    fmt: str
+    w1: PackedMatrix
+    w3: PackedMatrix
+    w2: PackedMatrix
+    nbytes: int
+
+
+class Device(Protocol):
+    name: str
+
+    def allocate(self, n_slots: int, nbytes: int): ...
+
+    def load(self, slots, slot: int, fd: int, offset: int, nbytes: int) -> None: ...
+
+    def expert(
+        self, slots, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
+    ) -> torch.Tensor: ...
+
+
+class CpuDevice:
+    """Slots in process memory; experts computed by the native block-float kernels (runtime/native.py).
+
+    Few tokens per expert (decode): fused GEMVs straight on the tiles, fp32 activations. Many (prefill): the tiles
+    expand to bf16 (exact) and multiply as matrices with activations in `matmul_dtype` (bf16 runs on AMX; fp32
+    keeps the activations unrounded).
+    """
+
+    name = "cpu"
+
+    def __init__(self, matmul_dtype: torch.dtype = torch.float32):
+        self.matmul_dtype = matmul_dtype
+
+    def allocate(self, n_slots: int, nbytes: int) -> np.ndarray:
+        """uint8 [n_slots, nbytes], page-aligned, touched once so the pool is resident from the start."""
+        stride = -(-nbytes // 4096) * 4096
+        raw = np.empty(n_slots * stride + 4096, dtype=np.uint8)
+        start = -raw.ctypes.data % 4096
+        slots = raw[start : start + n_slots * stride].reshape(n_slots, stride)
+        slots.fill(0)
+        return slots
+
+    def load(self, slots: np.ndarray, slot: int, fd: int, offset: int, nbytes: int) -> None:
+        view = memoryview(slots[slot])[:nbytes]
+        got = os.preadv(fd, [view], offset)
+        while got < nbytes:  # short reads are legal
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                raise OSError(f"expert store ended early at byte {offset + got}")
+            got += n
+
+    def expert(
+        self, slots: np.ndarray, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        """Routed expert on tokens x [t, d] with routing weights w [t, 1] -> this rank's partial fp32 [t, d]."""
+        mem, fmt = slots[slot], layout.fmt
+
+        def view(m: PackedMatrix) -> np.ndarray:
+            return mem[m.offset : m.offset + m.nbytes]
+
+        def apply(m: PackedMatrix, a: torch.Tensor) -> torch.Tensor:
+            if a.shape[0] <= GEMV_MAX_ROWS:
+                return native.gemv(view(m), (m.rows, m.cols), fmt, a)
+            w = native.dequant_bf16(view(m), (m.rows, m.cols), fmt).to(self.matmul_dtype)
+            return F.linear(a.to(self.matmul_dtype), w).float()
+
+        h = swiglu(apply(layout.w1, x), apply(layout.w3, x), limit) * w
+        return apply(layout.w2, h)

@@ -1,0 +1,78 @@
+"""One tensor-parallel rank of the engine: its shard of the dense weights, its slot pool over its store shard,
+and its decode state. Every rank runs the same forward calls; only rank 0 samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from dsflash.checkpoint.index import Checkpoint
+from dsflash.checkpoint.load import load_into
+from dsflash.model.block import Embedding
+from dsflash.model.parallel import TP
+from dsflash.model.transformer import Transformer
+from dsflash.runtime.cached_experts import CachedExperts
+from dsflash.runtime.dense import pack_dense
+from dsflash.runtime.device import CpuDevice, Device
+from dsflash.store.build import open_store
+
+log = logging.getLogger(__name__)
+
+DENSE_FORMATS = ("fp8", "bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What every rank needs to build its part (picklable: sent to spawned worker ranks)."""
+
+    model_dir: str
+    max_len: int
+    expert_slots: int = 4500
+    expert_format: str = "bfp4_b"
+    dense_format: str = "fp8"  # fp8 (where the checkpoint is FP8, bf16 elsewhere) | bf16 | fp32 (the reference's)
+    cache_dir: str | None = None
+    qat: bool = True
+    dspark: bool = False
+    threads: int | None = None  # torch / kernel threads per rank (default: cores / ranks)
+
+
+def slot_count(requested: int, ckpt: Checkpoint) -> int:
+    """--expert-slots clipped to the model's routed expert count (there is nothing else to cache)."""
+    total = sum(s.n_experts for s in ckpt.config.layers())
+    return max(1, min(requested, total))
+
+
+class RankRuntime:
+    def __init__(self, opts: EngineOptions, tp: TP, token_map, device: Device | None = None):
+        self.opts, self.tp = opts, tp
+        ckpt = Checkpoint.open(opts.model_dir)
+        cfg = ckpt.config
+        self.cfg = cfg
+        self.model = Transformer(cfg, tp=tp, token_map=token_map, qat=opts.qat, dspark=opts.dspark)
+        load_into(self.model, ckpt)
+        if opts.dense_format != "fp32":
+            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format)
+            for m in self.model.modules():  # embedding rows are only gathered: bf16 halves them for free
+                if isinstance(m, Embedding):
+                    m.weight.data = m.weight.data.bfloat16()
+        self.model.eval()
+        store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
+        ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
+        device = device or CpuDevice()
+        self.experts = CachedExperts(store, device, slot_count(opts.expert_slots, ckpt), tp.rank, cfg.swiglu_limit)
+        self.state = self.model.new_state(opts.max_len)
+
+    def reset(self) -> None:
+        self.state.reset()
+
+    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """tokens [1, s] -> fp32 logits [1, s, V] (every rank gets the gathered logits)."""
+        return self.model(tokens, start_pos, self.state, self.experts)
+
+    def counters(self) -> dict:
+        return self.experts.counters()
+
+    def close(self) -> None:
+        self.experts.close()

@@ -1,0 +1,182 @@
+"""Tensor-parallel ranks: start them, drive them with fixed-shape step messages from rank 0, stop them.
+
+Rank 0 lives in the serving process and owns the request loop. Ranks 1..N-1 are spawned processes (or, under
+torchrun, processes of their own on any host) that loop on a broadcast step header: forward / reset / stop.
+A rank that dies breaks the next collective on rank 0, which then fails with EngineDead naming it: never a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dsflash.config import ModelConfig
+from dsflash.errors import ConfigError, EngineDead
+from dsflash.model.parallel import TP
+from dsflash.runtime.rank import EngineOptions, RankRuntime
+
+log = logging.getLogger(__name__)
+
+FORWARD, RESET, STOP = 1, 2, 3
+HEADER = 4  # op, start_pos, n tokens, spare
+# a collective stuck this long means a peer hangs (a dead peer fails at once: its sockets close)
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads(opts: EngineOptions, world: int) -> int:
+    return opts.threads or max(1, (os.cpu_count() or 1) // world)
+
+
+def _init(rank: int, world: int, init_method: str) -> TP:
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    return TP.from_process_group()
+
+
+def worker_main(rank: int, world: int, init_method: str, opts: EngineOptions, token_map, ready) -> None:
+    """Entry point of ranks 1..N-1: build this rank, report, then follow rank 0's steps until STOP."""
+    torch.set_num_threads(_threads(opts, world))
+    try:
+        tp = _init(rank, world, init_method)
+        rt = RankRuntime(opts, tp, token_map)
+    except BaseException as e:  # reported to rank 0 verbatim, then we exit
+        ready.send(f"rank {rank}: {type(e).__name__}: {e}")
+        return
+    ready.send("ok")
+    try:
+        follow(rt)
+    except RuntimeError as e:  # rank 0 went away mid-collective
+        log.warning("rank %d: leaving: %s", rank, e)
+    finally:
+        rt.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def follow(rt: RankRuntime) -> None:
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    while True:
+        dist.broadcast(header, src=0)
+        op, start_pos, n = (int(v) for v in header[:3])
+        if op == STOP:
+            return
+        if op == RESET:
+            rt.reset()
+        elif op == FORWARD:
+            tokens = torch.empty(1, n, dtype=torch.int64)
+            dist.broadcast(tokens, src=0)
+            rt.forward(tokens, start_pos)
+
+
+def check_tp(cfg: ModelConfig, world: int) -> None:
+    """Refuse a degree the attention cannot be split by (heads are the unit); everything else pads."""
+    if world < 1:
+        raise ConfigError(f"tensor-parallel degree must be a positive integer, got {world}")
+    if cfg.num_attention_heads % world:
+        raise ConfigError(
+            f"tensor-parallel degree {world} does not divide this model's {cfg.num_attention_heads} attention heads; "
+            f"use one of {[d for d in (1, 2, 4, 8) if cfg.num_attention_heads % d == 0]}"
+        )
+
+
+class TPRunner:
+    """The Engine's Runner over N ranks; rank 0 runs in this process."""
+
+    def __init__(self, opts: EngineOptions, world: int, token_map, vocab_size: int):
+        check_tp(ModelConfig.from_file(opts.model_dir), world)
+        self.opts, self.world = opts, world
+        self.max_len, self.vocab_size = opts.max_len, vocab_size
+        self.procs: list[mp.process.BaseProcess] = []
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        pipes = []
+        for rank in range(1, world):
+            parent, child = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=worker_main,
+                args=(rank, world, init, opts, token_map, child),
+                daemon=True,
+                name=f"dsflash-rank{rank}",
+            )
+            p.start()
+            self.procs.append(p)
+            pipes.append(parent)
+        torch.set_num_threads(_threads(opts, world))
+        try:
+            self.tp = _init(0, world, init) if world > 1 else TP.single()
+            self.rank0 = RankRuntime(opts, self.tp, token_map)
+            for rank, pipe in enumerate(pipes, start=1):
+                msg = pipe.recv() if pipe.poll(600) else f"rank {rank}: did not start within 10 minutes"
+                if msg != "ok":
+                    raise EngineDead(f"tensor-parallel {msg}")
+        except BaseException:
+            self._kill()
+            raise
+
+    def _step(self, op: int, start_pos: int = 0, n: int = 0) -> None:
+        if self.world == 1:
+            return
+        header = torch.tensor([op, start_pos, n, 0], dtype=torch.int64)
+        try:
+            dist.broadcast(header, src=0)
+        except RuntimeError as e:
+            raise self._dead(e) from None
+
+    def _dead(self, err: Exception) -> EngineDead:
+        gone = [f"rank {i} (exit code {p.exitcode})" for i, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        what = ", ".join(gone) if gone else "a tensor-parallel peer"
+        return EngineDead(f"{what} stopped; the engine cannot continue ({err})")
+
+    def reset(self) -> None:
+        self._step(RESET)
+        self.rank0.reset()
+
+    def forward(self, tokens: list[int], start_pos: int, all_logits: bool) -> torch.Tensor:
+        t = torch.tensor([tokens], dtype=torch.int64)
+        self._step(FORWARD, start_pos, len(tokens))
+        try:
+            if self.world > 1:
+                dist.broadcast(t, src=0)
+            logits = self.rank0.forward(t, start_pos)[0]
+        except RuntimeError as e:
+            if self.world > 1 and any(not p.is_alive() for p in self.procs):
+                raise self._dead(e) from None
+            raise
+        return logits if all_logits else logits[-1:]
+
+    def counters(self) -> dict:
+        return self.rank0.counters()
+
+    def check_alive(self) -> None:
+        for i, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise EngineDead(f"rank {i} exited (code {p.exitcode})")
+
+    def close(self) -> None:
+        with contextlib.suppress(EngineDead):  # a dead peer needs no stop message
+            self._step(STOP)
+        for p in self.procs:
+            p.join(timeout=30)
+        self._kill()
+        self.rank0.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -1,0 +1,104 @@
+"""The engine's resources: memory stays within dense + slots + caches, dead ranks fail fast, stop frees ranks."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from dsflash.checkpoint.writer import write_checkpoint
+from dsflash.errors import EngineDead
+from dsflash.runtime.engine import Engine
+from dsflash.runtime.queue import GenerationRequest
+from dsflash.runtime.rank import EngineOptions
+from dsflash.runtime.sampler import SamplingParams
+from dsflash.runtime.workers import TPRunner
+from dsflash.service.files import open_dir
+from dsflash.store.build import build_store
+from tests.model.conftest import ROOT
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """tiny_a's schedule with wider experts: a store of ~230 MB against a pool of 16 slots (~14 MB)."""
+    raw = json.loads((ROOT / "tiny_a" / "model" / "config.json").read_text())
+    raw["text_config"].update(hidden_size=512, moe_intermediate_size=1024, n_routed_experts=64, num_hidden_layers=4,
+                              compress_ratios=[0, 0, 2, 1, 0, 0], kv_source_layer_ids=[2, 3],
+                              index_source_layer_ids=[2, 3], candidate_source_layer_id=3, engram_layer_ids=[1],
+                              engram_num_embeddings=[660], dspark_target_layer_ids=[1, 2, 3])  # fmt: skip
+    out = tmp_path_factory.mktemp("wide")
+    write_checkpoint(raw, out / "model", seed=3, tokenizer_dir=ROOT / "tiny_a" / "model")
+    return open_dir(out / "model"), str(out / "stores")
+
+
+def test_resident_memory_stays_within_dense_slots_and_caches(wide):
+    files, cache = wide
+    store = build_store(files.ckpt, cache, tp=1, fmt="bfp4_b", progress=False)
+    store_bytes = store.total_bytes()
+    opts = EngineOptions(str(files.path), 512, expert_slots=16, cache_dir=cache, qat=False, threads=1)
+    runner = TPRunner(opts, 1, files.token_map, files.ckpt.config.vocab_size)
+    try:
+        exp = runner.rank0.experts
+        slots = exp.slots.nbytes
+        assert store_bytes > 10 * slots
+        prompt = list(range(3, 259))
+        runner.reset()
+        runner.forward(prompt[:16], 0, False)  # warm up allocators and kernels
+        before = _rss()
+        runner.reset()
+        runner.forward(prompt, 0, False)  # a 256-token prefill routes to nearly every expert of every layer
+        for pos in range(256, 300):
+            runner.forward([7], pos, False)
+        grown = _rss() - before
+        assert exp.bytes_copied > store_bytes / 2  # most of the store went through the slots ...
+        assert grown < store_bytes / 3, grown  # ... without staying in this process
+        dense = sum(p.numel() * p.element_size() for p in runner.rank0.model.parameters())
+        dense += runner.rank0.dense_bytes
+        caches = sum(t.numel() * t.element_size() for st in runner.rank0.state.layers
+                     for t in vars(st).values() if isinstance(t, torch.Tensor))  # fmt: skip
+        assert _rss() < dense + slots + caches + (1 << 30)
+    finally:
+        runner.close()
+
+
+@pytest.fixture()
+def tp2(tmp_path):
+    files = open_dir(ROOT / "tiny_a" / "model")
+    build_store(files.ckpt, str(tmp_path), tp=2, fmt="bfp4_b", progress=False)
+    opts = EngineOptions(str(files.path), 256, expert_slots=8, cache_dir=str(tmp_path), threads=1)
+    return TPRunner(opts, 2, files.token_map, files.ckpt.config.vocab_size)
+
+
+def test_a_dead_rank_fails_the_engine_fast_and_clearly(tp2):
+    engine = Engine(tp2, eos_ids={1}).start()
+    try:
+        list(engine.submit(GenerationRequest((5, 6, 7), SamplingParams(temperature=0, max_tokens=2))))
+        os.kill(tp2.procs[0].pid, signal.SIGKILL)
+        tp2.procs[0].join(5)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDead, match="rank 1"):
+            list(engine.submit(GenerationRequest((5, 6, 7), SamplingParams(temperature=0, max_tokens=2))))
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(EngineDead):
+            engine.submit(GenerationRequest((5,), SamplingParams(max_tokens=1)))
+    finally:
+        engine.close()
+        tp2.close()
+
+
+def test_stop_frees_every_rank(tp2):
+    procs = list(tp2.procs)
+    tp2.reset()
+    tp2.forward([5, 6, 7], 0, False)
+    tp2.close()
+    assert all(not p.is_alive() for p in procs)

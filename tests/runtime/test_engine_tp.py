@@ -1,0 +1,118 @@
+"""The engine (slot LRU over the bfp store, tensor-parallel ranks over gloo) against the CPU reference."""
+
+import numpy as np
+import pytest
+import torch
+
+from dsflash.errors import ConfigError
+from dsflash.formats import bfp
+from dsflash.gates.compare import compare_logits
+from dsflash.gates.reference import reference_forward
+from dsflash.gates.run import Scores, _score, engine_scores, gate_ids, reference_scores, report
+from dsflash.model.experts import ResidentExperts
+from dsflash.runtime.loader import LoadedModel, load_reference
+from dsflash.runtime.rank import EngineOptions
+from dsflash.runtime.workers import TPRunner
+from dsflash.service.files import open_dir
+from dsflash.store.build import build_store
+from tests.model.conftest import ROOT
+
+TOKENS = 120  # 80 prefill + 40 teacher-forced decode steps: enough decisive positions on the tiny fixtures
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("stores"))
+
+
+@pytest.fixture(scope="module", params=["tiny_a", "tiny_b"])
+def setup(request):
+    files = open_dir(ROOT / request.param / "model")
+    ids, prefill = gate_ids(files, TOKENS)
+    return files, ids, prefill, reference_scores(files, ids, prefill)
+
+
+def _tp_degrees(files):
+    return [d for d in (1, 2, 4) if files.ckpt.config.num_attention_heads % d == 0]
+
+
+def test_bfp8_engine_is_the_reference_at_every_tp_with_evictions(setup, cache):
+    """bfp8 holds the FP4 experts exactly: at any TP and with as few slots as a token activates, the gates
+    pass, logits agree to float32 noise and the LRU really evicts."""
+    files, ids, prefill, want = setup
+    n_active = files.ckpt.config.num_experts_per_tok
+    for tp in _tp_degrees(files):
+        got = engine_scores(files, ids, prefill, tp=tp, expert_slots=n_active, expert_format="bfp8_b", cache_dir=cache)
+        r = report(want, got)
+        assert r["pass"], (tp, r)
+        assert r["experts"]["misses"] > 0 and r["experts"]["slots"] == n_active
+        for part in ("prefill", "decode"):
+            diff = compare_logits(getattr(want, part), getattr(got, part))
+            assert diff["max_abs"] < 1e-3, (tp, part, diff)
+
+
+def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
+    """With bfp4 the engine equals the reference fed the same bfp4-rounded experts; bfp8 is strictly better."""
+    files, ids, prefill, want = setup
+    got = engine_scores(files, ids, prefill, tp=1, expert_slots=3, expert_format="bfp4_b", cache_dir=cache)
+    ref = load_reference(files.ckpt, files.token_map, qat=False, dspark=False)
+    rounded = {k: tuple(_bfp4(w) for w in ws) for k, ws in ref.experts.weights.items()}
+    ideal = LoadedModel(ref.cfg, ref.model, ResidentExperts(rounded, ref.cfg.swiglu_limit))
+    best = Scores(*_score(reference_forward(ideal, len(ids)), ids, prefill))
+    for part in ("prefill", "decode"):
+        assert compare_logits(getattr(best, part), getattr(got, part))["max_abs"] < 1e-3
+    r4 = report(want, got)
+    r8 = report(want, engine_scores(files, ids, prefill, expert_slots=3, expert_format="bfp8_b", cache_dir=cache))
+    for part in ("prefill", "decode"):
+        assert r8[part]["mean_kl"] < r4[part]["mean_kl"] <= 0.035
+        assert r8[part]["decisive_top1"] >= r4[part]["decisive_top1"]
+
+
+def _bfp4(w: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(bfp.unpack(bfp.pack(w.float().numpy(), "bfp4_b"), "bfp4_b", tuple(w.shape)))
+
+
+def test_tp4_equals_tp1_with_the_default_formats(cache):
+    files = open_dir(ROOT / "tiny_a" / "model")
+    ids, prefill = gate_ids(files, 90)
+    one, four = (engine_scores(files, ids, prefill, tp=tp, expert_slots=4, cache_dir=cache) for tp in (1, 4))
+    for part in ("prefill", "decode"):
+        assert compare_logits(getattr(one, part), getattr(four, part))["max_abs"] < 1e-4
+
+
+def test_greedy_generation_follows_the_reference_where_decisive(cache):
+    """64 greedy tokens: wherever the reference's own greedy choice was decisive, the engine picks it too."""
+    files = open_dir(ROOT / "tiny_b" / "model")
+    prompt = gate_ids(files, 40)[0]
+    ref = load_reference(files.ckpt, files.token_map, qat=False, dspark=False)
+    fwd = reference_forward(ref, len(prompt) + 64)
+    seq, margins = list(prompt), []
+    logits = fwd(torch.tensor([seq]), 0, True)[0, -1]
+    for _ in range(64):
+        top2 = logits.topk(2).values
+        margins.append(float(top2[0] - top2[1]))
+        seq.append(int(logits.argmax()))
+        logits = fwd(torch.tensor([seq[-1:]]), len(seq) - 1, False)[0, -1]
+    build_store(files.ckpt, cache, tp=2, fmt="bfp8_b", progress=False, rebuild=True)
+    opts = EngineOptions(
+        str(files.path), len(seq) + 1, expert_slots=3, expert_format="bfp8_b", cache_dir=cache, qat=False
+    )
+    runner = TPRunner(opts, 2, files.token_map, files.ckpt.config.vocab_size)
+    try:
+        runner.reset()
+        out = [int(runner.forward(seq[: len(prompt)], 0, False)[-1].argmax())]
+        for pos in range(len(prompt), len(seq) - 1):
+            out.append(int(runner.forward([seq[pos]], pos, False)[-1].argmax()))
+    finally:
+        runner.close()
+    want = seq[len(prompt) :]
+    decisive = np.array(margins) >= 0.10
+    assert decisive.sum() > 30
+    assert all(o == w for o, w, d in zip(out, want, decisive, strict=True) if d)
+
+
+def test_tp_degree_must_divide_the_heads(cache):
+    files = open_dir(ROOT / "tiny_b" / "model")  # 6 heads
+    opts = EngineOptions(str(files.path), 16, cache_dir=cache)
+    with pytest.raises(ConfigError, match="does not divide this model's 6 attention heads"):
+        TPRunner(opts, 4, files.token_map, files.ckpt.config.vocab_size)
