@@ -39,14 +39,18 @@ class Handle:
 
     _DONE = object()
 
-    def __init__(self, request: GenerationRequest):
+    def __init__(self, request: GenerationRequest, owner: RequestQueue | None = None):
         self.request = request
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
         self.started = threading.Event()
+        self._owner = owner
+        self.state = "queued"  # queued | taken | withdrawn; guarded by the owner's lock
 
     def cancel(self) -> None:
         self._cancel.set()
+        if self._owner is not None:
+            self._owner.withdraw(self)
 
     @property
     def cancelled(self) -> bool:
@@ -76,6 +80,7 @@ class RequestQueue:
         self._q: queue.Queue[Handle | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
+        self.withdrawn = 0  # requests cancelled while they waited (never reach the engine)
         self.dead: BaseException | None = None
 
     def submit(self, request: GenerationRequest) -> Handle:
@@ -85,19 +90,36 @@ class RequestQueue:
             if self._waiting >= self.max_size:
                 raise Overloaded(f"the request queue is full ({self.max_size} waiting)", retry_after=1)
             self._waiting += 1
-        handle = Handle(request)
+        handle = Handle(request, owner=self)
         self._q.put(handle)
         return handle
 
     def take(self, timeout: float | None = None) -> Handle | None:
-        try:
-            handle = self._q.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if handle is not None:
+        while True:
+            try:
+                handle = self._q.get(timeout=timeout)
+            except queue.Empty:
+                return None
+            if handle is None:
+                return None
             with self._lock:
+                if handle.state == "withdrawn":
+                    continue  # cancelled while waiting: already answered and uncounted
+                handle.state = "taken"
                 self._waiting -= 1
-        return handle
+            return handle
+
+    def withdraw(self, handle: Handle) -> None:
+        """A request cancelled while it waits leaves the queue now: its slot frees and its consumer is answered
+        at once (a client that went away must not hold a place in a full queue until the engine reaches it)."""
+        with self._lock:
+            if handle.state != "queued":
+                return
+            handle.state = "withdrawn"
+            self._waiting -= 1
+            self.withdrawn += 1
+        handle.put(TokenEvent(None, 0, finish_reason="cancelled"))
+        handle.close()
 
     def wake(self) -> None:
         self._q.put(None)

@@ -1,0 +1,89 @@
+"""`dsflash serve --detach`: start the server in the background, relay its boot rows, return once it is ready."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+from dsflash.cli._serving import new_log_path, servers
+
+
+def child_argv(args) -> list[str]:
+    """The same serve command without --detach (the API key travels in the environment, not in argv)."""
+    argv = [sys.executable, "-m", "dsflash", "serve"]
+    if args.model:
+        argv.append(args.model)
+    for flag, value in (
+        ("--profile", args.profile),
+        ("--host", args.host),
+        ("--port", args.port),
+        ("--tp", args.tp),
+        ("--expert-slots", args.expert_slots),
+        ("--expert-format", args.expert_format),
+        ("--backend", args.backend),
+        ("--max-queue", args.max_queue),
+        ("--max-model-len", args.max_model_len),
+        ("--cache-dir", args.cache_dir),
+        ("--default-chat-template-kwargs", args.default_chat_template_kwargs),
+        ("--shutdown-grace", args.shutdown_grace),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def detach(args, choice) -> int:
+    log_path = new_log_path(choice.slug, args.port)
+    env = dict(os.environ)
+    if args.api_key:
+        env["DSFLASH_API_KEY"] = args.api_key
+    with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
+        child = subprocess.Popen(
+            [*child_argv(args), "--_child", "--_log", str(log_path)],
+            stdin=devnull,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # survives the terminal that started it
+        )
+    pos = 0
+    try:
+        while True:
+            pos = _relay(log_path, pos)
+            rec = next((r for r in servers(clean=False) if r.pid == child.pid), None)
+            if rec is not None and rec.status == "ready":
+                time.sleep(0.1)
+                _relay(log_path, pos)
+                return 0
+            code = child.poll()
+            if code is not None:
+                _relay(log_path, pos)
+                print(
+                    f"dsflash serve: the server exited with code {code} while booting (log: {log_path})",
+                    file=sys.stderr,
+                )
+                return 1
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print(
+            f"\nstopped watching; the server keeps booting in the background (pid {child.pid}).\n"
+            f"  dsflash logs {choice.model_id} --follow · dsflash stop {choice.model_id}"
+        )
+        return 0
+
+
+def _relay(path, pos: int) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(pos)
+            data = f.read()
+    except OSError:
+        return pos
+    if data:
+        with contextlib.suppress(OSError):  # a closed stdout (`| head`) must not stop the wait for readiness
+            sys.stdout.write(data.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+    return pos + len(data)

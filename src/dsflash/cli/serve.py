@@ -1,0 +1,269 @@
+"""`dsflash serve [MODEL]`: boot a model phase by phase and serve the OpenAI-compatible API until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import threading
+import time
+
+DEFAULT_PORT = 20000
+API_KEY_ENV = "DSFLASH_API_KEY"
+
+
+def add_parser(sub) -> None:
+    from dsflash.cli._serving import HelpFormatter
+
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Boot MODEL (resolve, check, load, warm up) and serve /v1/models, /v1/completions, "
+        "/v1/chat/completions, /tokenize, /detokenize, /health and /metrics. One sequence at a time; "
+        "requests queue. Without MODEL: the embedded tiny model, generated on first boot.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="bundle name (see `dsflash profiles`), Hub repo id[@revision] or model directory "
+        "(default: the embedded dsflash-tiny-v4.1)",
+    )
+    p.add_argument("--profile", default=None, help="bundle profile (default: the bundle's first profile)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; a busy one walks up to the next free one")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument(
+        "--expert-slots",
+        type=int,
+        default=None,
+        help="device expert slots per rank (default: 4500, clipped to the model)",
+    )
+    p.add_argument(
+        "--expert-format", choices=["bfp4_b", "bfp8_b"], default="bfp4_b", help="tile format of the routed experts"
+    )
+    p.add_argument(
+        "--backend",
+        choices=["engine", "reference"],
+        default="engine",
+        help="what computes tokens: the engine (experts streamed from the store into --expert-slots slots per rank "
+        "over --tp ranks), or the fp32 CPU reference with every expert resident (quality baseline)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 and /tokenize routes (default: ${API_KEY_ENV} or none)",
+    )
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 + Retry-After")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the profile's)")
+    p.add_argument(
+        "--cache-dir", default=None, help="generated models and expert stores ($DSFLASH_CACHE or ~/.cache/dsflash)"
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="server-wide chat_template_kwargs, e.g. '{\"thinking\": false}' (requests override them)",
+    )
+    p.add_argument(
+        "--shutdown-grace", type=float, default=5.0, help="seconds a running request may finish after SIGTERM"
+    )
+    p.add_argument("--detach", action="store_true", help="boot in the background, print the ready card, return")
+    p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--_log", default=None, help=argparse.SUPPRESS)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from dsflash.errors import ConfigError
+    from dsflash.service.catalog import choose
+
+    choice = choose(args.model, args.profile)  # bad names fail here, before anything starts
+    defaults = _chat_defaults(args.default_chat_template_kwargs)
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ConfigError("--max-model-len must be at least 2")
+    if args.max_queue < 0:
+        raise ConfigError("--max-queue must be >= 0")
+    if args.detach and not args._child:
+        from dsflash.cli._detach import detach
+
+        return detach(args, choice)
+    return _Serve(args, choice, defaults).run()
+
+
+def _chat_defaults(text: str | None):
+    import json
+
+    from dsflash.errors import ConfigError, InvalidRequest
+    from dsflash.text.chat import chat_options
+
+    if not text:
+        return chat_options()
+    try:
+        kwargs = json.loads(text)
+        return chat_options(kwargs)
+    except (ValueError, InvalidRequest) as e:
+        raise ConfigError(f"--default-chat-template-kwargs: {e}") from None
+
+
+class _Serve:
+    """One server process: bind, boot on a thread while the HTTP side answers 503, serve, clean up."""
+
+    def __init__(self, args, choice, chat_defaults):
+        from dsflash.service.boot import BootOptions, make_backend
+
+        self.args, self.choice, self.chat_defaults = args, choice, chat_defaults
+        self.exit_code = 0
+        self.t0 = time.perf_counter()
+        self.opts = BootOptions(
+            backend=args.backend,
+            tp=args.tp,
+            expert_slots=args.expert_slots,
+            expert_format=args.expert_format,
+            max_queue=args.max_queue,
+            max_model_len=args.max_model_len,
+            cache_dir=args.cache_dir,
+        )
+        self.backend = make_backend(self.opts)  # a flag the backend cannot honour fails before anything starts
+
+    def run(self) -> int:
+        from dsflash.cli._serving import Console, ServerRecord, new_log_path, row
+        from dsflash.server import http
+        from dsflash.server.app import App
+        from dsflash.server.protocol import ServedModel
+
+        args, choice = self.args, self.choice
+        sock = http.bind(args.host, args.port)
+        port = sock.getsockname()[1]
+        log_path = args._log or new_log_path(choice.slug, port)
+        # a detached child's stdout is its log file already
+        self.console = Console(to_stdout=True, log_path=None if args._child else log_path)
+        _setup_logging(self.console)
+        max_len = args.max_model_len or choice.profile.context
+        self.console.line(
+            f"dsflash serve · {choice.model_id} · profile {choice.profile.name} · {max_len:,}-token context"
+        )
+        if port != args.port:
+            self.console.line(row("done", "port", f"{args.port} is busy; using {port}"))
+        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        served = ServedModel(choice.model_id, choice.aliases, max_len, vocab_size=1, chat_defaults=self.chat_defaults)
+        self.app = App(served, root=choice.source, api_key=api_key, shutdown_grace=args.shutdown_grace)
+        self.record = ServerRecord(
+            os.getpid(), args.host, port, choice.model_id, choice.profile.name, max_len, choice.source,
+            list(choice.aliases), str(log_path), time.time(),
+        )  # fmt: skip
+        self.record.save()
+        self.server = http.make_server(self.app, self._on_signal, args.shutdown_grace)
+        boot = threading.Thread(target=self._boot, name="dsflash-boot", daemon=True)
+        boot.start()
+        try:
+            self.server.run(sockets=[sock])
+        finally:
+            self._cleanup()
+        return self.exit_code
+
+    def _on_signal(self) -> None:
+        if self.app.state != "draining":
+            self.record.status = "stopping"
+            self.record.save()
+        self.app.drain()
+
+    def _boot(self) -> None:
+        from dsflash.cli._serving import row
+        from dsflash.server import http
+        from dsflash.service.boot import boot
+        from dsflash.service.generator import Generator
+
+        try:
+            booted = boot(self.choice, self.opts, self._report, self.backend)
+        except Exception as e:
+            self.console.line(f"dsflash serve: error: {e}")
+            with contextlib.suppress(Exception):
+                self.backend.close()
+            self.exit_code = 1
+            self.app.fail()
+            http.stop(self.server)
+            return
+        self.booted = booted
+        tok = booted.tokenizer
+        release = booted.files.ckpt.config.model_type
+        from dataclasses import replace
+
+        self.app.served = replace(self.app.served, vocab_size=tok.vocab_size, max_len=booted.max_len)
+        self.app.attach(Generator(booted.engine, tok, booted.max_len, release), booted.engine)
+        if self.app.state != "ready":  # a signal came during boot
+            return
+        t = time.perf_counter()
+        health = self.record.health(timeout=10)
+        self.console.line(
+            row("done" if health == "ready" else "fail", "API", f"GET /health: {health}", time.perf_counter() - t)
+        )
+        self.record.status = "ready"
+        self.record.save()
+        self._card(booted)
+
+    def _report(self, r) -> None:
+        from dsflash.cli._serving import row
+
+        if r.state == "run":
+            self.console.transient(row("run", r.label, "…"))
+        else:
+            self.console.line(row(r.state, r.label, r.detail, r.seconds))
+
+    def _card(self, booted) -> None:
+        import json
+
+        base = self.record.base_url
+        model = self.choice.model_id
+        ready = time.perf_counter() - self.t0
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
+        stop = f"dsflash stop {model}" + ("" if self.args._child else "   (or Ctrl-C)")
+        lines = [
+            "",
+            f"  Ready in {ready:.1f}s · {model} · profile {self.choice.profile.name} · "
+            f"context {booted.max_len:,} tokens · backend {booted.backend.name}",
+            f"  endpoint  {base}/v1",
+            f"  try       curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+            f"  logs      dsflash logs {model} --follow   ({self.record.log})",
+            f"  stop      {stop}",
+            "",
+        ]
+        if self.app.api_key is not None:
+            lines[3] = lines[3].replace("curl ", 'curl -H "Authorization: Bearer $DSFLASH_API_KEY" ')
+        for line in lines:
+            self.console.line(line)
+
+    def _cleanup(self) -> None:
+        booted = getattr(self, "booted", None)
+        if booted is not None:
+            booted.close()
+        self.record.remove()
+        if self.exit_code == 0:
+            self.console.line(f"dsflash serve: stopped {self.choice.model_id} on port {self.record.port}")
+        self.console.close()
+
+
+def _setup_logging(console) -> None:
+    import logging
+
+    class _ToConsole(logging.Handler):
+        def emit(self, record):
+            try:
+                text = f"{time.strftime('%H:%M:%S')} {record.getMessage()}"
+                if record.exc_info:
+                    text += "\n" + logging.Formatter().formatException(record.exc_info)
+                console.line(text)
+            except Exception:  # a log line must never take a request down
+                pass
+
+    handler = _ToConsole()
+    for name in ("dsflash.requests", "dsflash.server", "dsflash.runtime.engine"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [handler]
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
+    if sys.stderr is not None:
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)

@@ -1,0 +1,396 @@
+"""The ASGI app: routes bound to uvicorn, the body cap, the API key, the loading / ready / draining lifecycle, and
+generation on worker threads with client-disconnect cancellation.
+
+Threads: the event loop (HTTP I/O only), one worker thread per generation request (prompt encoding, detokenizing,
+parsing, JSON), the engine thread (tokens only). A worker hands frames to the loop through call_soon_threadsafe.
+A disconnect is seen by awaiting ASGI `receive()` (uvicorn answers `http.disconnect` when the socket closes), at
+any point: queued, prefilling or decoding; it cancels the engine handle, which the engine checks every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+from dsflash.errors import InvalidRequest, NotReady, Overloaded
+from dsflash.server import routes, sse
+from dsflash.server.errors import HttpError, classify, error_frame
+from dsflash.server.metrics import Metrics
+from dsflash.server.protocol import ServedModel
+from dsflash.server.routes import ROUTES, Generation, Reply
+from dsflash.service.api import Delta
+
+log = logging.getLogger("dsflash.server")
+request_log = logging.getLogger("dsflash.requests")
+
+MAX_BODY = 16 << 20
+PING_INTERVAL = 15.0
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+class App:
+    """ASGI callable; `attach(generator)` once the model is loaded, `drain()` on SIGTERM."""
+
+    def __init__(
+        self,
+        served: ServedModel,
+        root: str,
+        api_key: str | None = None,
+        max_body: int = MAX_BODY,
+        shutdown_grace: float = 5.0,
+        gauges=None,
+    ):
+        self.served, self.root, self.max_body, self.grace = served, root, max_body, shutdown_grace
+        self.api_key = api_key.encode() if api_key else None
+        self.state = "loading"  # loading | ready | draining | failed
+        self.generator = None
+        self.engine = None
+        self.created = int(time.time())
+        self.metrics = Metrics(served.model_id, gauges or self._gauges)
+        self.jobs: set[_Job] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def attach(self, generator, engine) -> None:
+        self.generator, self.engine = generator, engine
+        if self.state == "loading":
+            self.state = "ready"
+
+    def fail(self) -> None:
+        self.state = "failed"
+
+    def drain(self) -> None:
+        """Stop taking requests; cancel queued ones now and the running one after the grace period. Thread-safe."""
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._drain)
+        else:
+            self.state = "draining"
+
+    def _drain(self) -> None:
+        if self.state == "draining":
+            return
+        self.state = "draining"
+        for job in list(self.jobs):
+            if not job.running:
+                job.cancel("shutdown")
+        if any(job.running for job in self.jobs):
+            log.info("finishing the running request (up to %.0f s) before shutting down", self.grace)
+        self.loop.call_later(self.grace, self._cancel_all)
+
+    def _cancel_all(self) -> None:
+        for job in list(self.jobs):
+            job.cancel("shutdown")
+
+    def _gauges(self) -> dict[str, float]:
+        q = getattr(self.engine, "queue", None)
+        running = getattr(self.engine, "current", None) is not None
+        return {
+            "queue_depth": q.depth if q is not None else 0,
+            "requests_running": 1 if running else 0,
+            "ready": 1 if self.state == "ready" else 0,
+        }
+
+    # ---- ASGI ---------------------------------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        if scope["type"] != "http":
+            return
+        self.loop = self.loop or asyncio.get_running_loop()
+        try:
+            work = await self._dispatch(scope, receive)
+        except _ClientGone:
+            return
+        except Exception as e:  # every error leaves as an OpenAI envelope, never as a dropped connection
+            work = self._error_reply(e, f"{scope.get('method')} {scope.get('path')}")
+            endpoint = _ENDPOINTS.get(scope["path"])
+            if endpoint is not None:
+                self.metrics.record(endpoint, _outcome(e, work.status), None, None)
+        if isinstance(work, Generation):
+            await self._generate(work, receive, send)
+        else:
+            await _send(send, work)
+
+    async def _dispatch(self, scope, receive) -> Reply | Generation:
+        method, path = scope["method"], scope["path"]
+        route = ROUTES.get(path)
+        if route is None and path.startswith("/v1/models/"):
+            if method != "GET":
+                raise HttpError("method", f"{method} is not allowed on {path} (use GET)", allow="GET")
+            self._authorize(scope)
+            return routes.model(self, path[len("/v1/models/") :])
+        if route is None:
+            raise HttpError("not_found", f"Invalid URL ({method} {path})")
+        if method != route.method:
+            raise HttpError("method", f"{method} is not allowed on {path} (use {route.method})", allow=route.method)
+        if route.auth:
+            self._authorize(scope)
+        body = await self._read_json(scope, receive) if method == "POST" else None
+        return route.handler(self, body)
+
+    def _authorize(self, scope) -> None:
+        if self.api_key is None:
+            return
+        got = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = got.partition(b" ")
+        # compare_digest: the time taken does not reveal how much of the key matched
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+            raise HttpError("unauthorized", "Incorrect or missing API key (send Authorization: Bearer <key>)")
+
+    async def _read_json(self, scope, receive):
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise HttpError("bad_json", "invalid Content-Length")
+            if int(length) > self.max_body:
+                raise HttpError("too_large", f"the request body is {int(length)} bytes; the limit is {self.max_body}")
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise HttpError("too_large", f"the request body exceeds the limit of {self.max_body} bytes")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                break
+        return parse_json(b"".join(chunks))
+
+    def _error_reply(self, exc: Exception, where: str) -> Reply:
+        status, body, headers = classify(exc)
+        if status >= 500:
+            log.error("internal error in %s", where, exc_info=exc)
+        return Reply(status, sse.dumps(body), headers=[(k.encode(), v.encode()) for k, v in headers])
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+    async def _generate(self, work: Generation, receive, send) -> None:
+        t0 = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        job = _Job(self, work, lambda item: _post(loop, queue, item))
+        self.jobs.add(job)
+        watcher = asyncio.create_task(_watch_disconnect(receive, job))
+        status, complete = 200, False
+        try:
+            kind, value = await queue.get()
+            if kind == "error":
+                reply = self._error_reply(value, work.meta.id)
+                status = reply.status
+                await _send(send, reply)
+            elif kind == "body":
+                await _send(send, Reply(200, value))
+            else:
+                await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+                await self._pump(queue, send, job)
+            complete = True
+        finally:
+            watcher.cancel()
+            self.jobs.discard(job)
+            if not complete:  # this task was cancelled (shutdown timeout): the engine must not keep working for it
+                job.cancel(job.cancel_reason or "shutdown")
+            self._account(job, status, time.perf_counter() - t0)
+
+    async def _pump(self, queue: asyncio.Queue, send, job: _Job) -> None:
+        """Forward the worker's SSE frames; a comment ping keeps a quiet stream (long prefill) alive."""
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(queue.get(), PING_INTERVAL)
+            except TimeoutError:
+                kind, value = "frame", sse.PING
+            if kind == "end":
+                break
+            if not job.disconnected:
+                await send({"type": "http.response.body", "body": value, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _account(self, job: _Job, status: int, e2e: float) -> None:
+        stats = job.stream.stats if job.stream is not None else None
+        if job.cancel_reason is not None and job.stream is not None and stats.finish_reason in (None, "cancelled"):
+            outcome = "cancelled"
+        elif status != 200 or job.error is not None:
+            outcome = _outcome(job.error or job.early_error, status)
+        else:
+            outcome = "ok"
+        self.metrics.record(job.work.endpoint, outcome, stats if job.stream is not None else None, e2e)
+        if stats is not None:
+            request_log.info(log_line(stats, outcome, job.work.ignored))
+
+
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+def _outcome(exc: BaseException | None, status: int) -> str:
+    """How a request that did not finish normally is counted in /metrics."""
+    if isinstance(exc, Overloaded | NotReady):
+        return "rejected"
+    return "invalid" if 400 <= status < 500 else "error"
+
+
+class _ClientGone(Exception):
+    """The client closed the connection before its request body arrived."""
+
+
+class _Job:
+    """One generation on its worker thread: open the stream, render it, hand the result to the loop."""
+
+    def __init__(self, app: App, work: Generation, post):
+        self.app, self.work, self.post = app, work, post
+        self.stream = None
+        self.error: BaseException | None = None  # failed after the response started
+        self.early_error: BaseException | None = None  # failed before: the response is an HTTP error
+        self.cancel_reason: str | None = None  # disconnect | shutdown
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name=f"dsflash-req-{work.meta.id[-8:]}", daemon=True).start()
+
+    @property
+    def running(self) -> bool:
+        return self.stream is not None and self.stream.handle.started.is_set()
+
+    @property
+    def disconnected(self) -> bool:
+        return self.cancel_reason == "disconnect"
+
+    def cancel(self, reason: str) -> None:
+        with self._lock:
+            if self.cancel_reason is None:
+                self.cancel_reason = reason
+            stream = self.stream
+        if stream is not None:
+            stream.cancel()
+
+    def _run(self) -> None:
+        try:
+            self._open()
+            if self.stream is None:
+                return
+            deltas = self._guard(iter(self.stream))
+            if self.work.stream.stream:
+                self.post(("open", None))
+                self._render_stream(deltas)
+            else:
+                self.post(("body", sse.dumps(self.work.render_full(deltas))))
+        except Exception as e:
+            self.early_error = e
+            self.post(("error", e))
+
+    def _open(self) -> None:
+        gen = self.app.generator
+        if gen is None or self.app.state != "ready":
+            raise NotReady("the server is shutting down" if self.app.state == "draining" else "the model is not ready")
+        gen.check_admission()
+        stream = self.work.open(gen)
+        with self._lock:
+            self.stream = stream
+            reason = self.cancel_reason
+        if reason is not None:
+            stream.cancel()
+
+    def _render_stream(self, deltas: Iterator[Delta]) -> None:
+        try:
+            for obj in self.work.render_stream(deltas):
+                self.post(("frame", sse.frame(obj)))
+        except Exception as e:  # after the first byte an error is a frame, then [DONE]
+            self.error = e
+            if not isinstance(e, NotReady | InvalidRequest):
+                log.error("generation failed", exc_info=e)
+            self.post(("frame", sse.raw_frame(error_frame(e))))
+        self.post(("frame", sse.DONE))
+        self.post(("end", None))
+
+    def _guard(self, deltas: Iterator[Delta]) -> Iterator[Delta]:
+        """A cancelled stream never reaches a client as a normal finish: shutdown is an error (the client is told),
+        a disconnect has nobody left to tell."""
+        for d in deltas:
+            if d.finish_reason == "cancelled":
+                raise NotReady("the server is shutting down; the request was cancelled")
+            yield d
+
+
+async def _watch_disconnect(receive, job: _Job) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            job.cancel("disconnect")
+            return
+
+
+def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
+    with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone, nobody is waiting
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+async def _send(send, reply: Reply) -> None:
+    headers = [(b"content-type", reply.content_type), (b"content-length", str(len(reply.body)).encode())]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers + reply.headers})
+    await send({"type": "http.response.body", "body": reply.body})
+
+
+async def _lifespan(receive, send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def parse_json(raw: bytes):
+    """Body bytes -> JSON value; anything that is not valid UTF-8 JSON (or holds lone surrogates) is a 400."""
+    if not raw.strip():
+        raise HttpError("bad_json", "the request body is empty; send a JSON object")
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise HttpError("bad_json", f"the request body is not valid JSON: {str(e)[:200]}") from None
+    if _SURROGATE.search(raw):
+        _check_strings(value)
+    return value
+
+
+def _check_strings(value) -> None:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HttpError("bad_json", "the request body holds an unpaired UTF-16 surrogate (\\ud8xx)") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+
+
+def log_line(s, outcome: str, ignored: list[str]) -> str:
+    """One line per request: what it cost and how it ended."""
+    tps = f"{s.tokens_per_s:.1f}" if s.tokens_per_s else "-"
+    ttft = f"{s.ttft_s:.2f}s" if s.ttft_s is not None else "-"
+    hit = f"{s.hit_rate:.2f}" if s.hit_rate is not None else "-"
+    line = (
+        f"req={s.request_id} prompt={s.prompt_tokens} out={s.completion_tokens} ttft={ttft} tok/s={tps} "
+        f"hit={hit} streamed={_bytes(s.bytes_streamed)} finish={s.finish_reason or '-'} outcome={outcome}"
+    )
+    return line + (f" ignored={','.join(ignored)}" if ignored else "")
+
+
+def _bytes(n: int | None) -> str:
+    if n is None:
+        return "0B"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n}"

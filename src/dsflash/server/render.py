@@ -1,0 +1,195 @@
+"""Deltas -> OpenAI objects: one Iterator[Delta], two renderings (SSE chunks, or one folded response).
+
+The role-only first chunk, the finish chunk, usage and both logprob shapes are each built by one function.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from dsflash.service.api import Delta, TokenLogprob, Usage
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -Infinity
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _lp(value: float | None) -> float | None:
+    if value is None:
+        return None
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN to the floor
+
+
+def usage_json(u: Usage) -> dict:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+    }
+
+
+def chat_logprobs(entries: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> dict:
+    """Chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}], "refusal": null}."""
+    content = [
+        {
+            "token": e.token,
+            "logprob": _lp(e.logprob),
+            "bytes": list(e.bytes),
+            "top_logprobs": [
+                {"token": t.token, "logprob": _lp(t.logprob), "bytes": list(t.bytes)} for t in e.top or ()
+            ],
+        }
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries) -> dict:
+    """Completions shape: parallel lists; the sampled token is always among its position's top entries."""
+    tops = []
+    for e in entries:
+        if e.top is None and e.logprob is None:
+            tops.append(None)  # the first echoed prompt token has nothing before it
+            continue
+        top = {t.token: _lp(t.logprob) for t in e.top or ()}
+        top.setdefault(e.token, _lp(e.logprob))
+        tops.append(top)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [_lp(e.logprob) for e in entries],
+        "top_logprobs": tops,
+        "text_offset": [e.offset for e in entries],
+    }
+
+
+@dataclass
+class Meta:
+    """The fields every object of one response shares."""
+
+    model: str
+    kind: str  # chat | completion
+    logprobs: bool = False
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.id = self.id or new_id("chatcmpl" if self.kind == "chat" else "cmpl")
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
+
+
+# ---- streaming --------------------------------------------------------------------------------------------------
+def stream_chat(deltas: Iterator[Delta], meta: Meta) -> Iterator[dict]:
+    """chat.completion.chunk objects: role chunk at the first token, deltas, finish chunk, optional usage chunk."""
+    started = False
+    for d in deltas:
+        if not started:
+            started = True
+            yield _chat_chunk(meta, {"role": "assistant", "content": ""})
+            if d.kind == "start":
+                continue
+        if d.finish_reason is not None:
+            yield _chat_chunk(meta, {}, d.finish_reason, d.logprobs)
+            if meta.include_usage and d.usage is not None:
+                yield {**meta.head("chat.completion.chunk"), "choices": [], "usage": usage_json(d.usage)}
+            return
+        if d.kind == "reasoning":
+            yield _chat_chunk(meta, {"reasoning_content": d.text}, None, d.logprobs)
+        elif d.kind == "content":
+            yield _chat_chunk(meta, {"content": d.text}, None, d.logprobs)
+        elif d.kind == "tool_call":
+            yield _chat_chunk(meta, {"tool_calls": [d.tool_call.to_delta()]}, None, d.logprobs)
+
+
+def _chat_chunk(meta: Meta, delta: dict, finish: str | None = None, logprobs=()) -> dict:
+    lp = chat_logprobs(logprobs) if meta.logprobs and logprobs else None
+    out = {
+        **meta.head("chat.completion.chunk"),
+        "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+    }
+    if meta.include_usage:
+        out["usage"] = None
+    return out
+
+
+def stream_completion(deltas: Iterator[Delta], meta: Meta) -> Iterator[dict]:
+    """text_completion chunks: the echoed prompt, one per text delta, the finish chunk, optional usage chunk."""
+    for d in deltas:
+        if d.kind == "start":
+            continue
+        if d.finish_reason is None and not d.text and not d.logprobs:
+            continue
+        yield _completion_chunk(meta, d.text, d.finish_reason, d.logprobs)
+        if d.finish_reason is not None:
+            if meta.include_usage and d.usage is not None:
+                yield {**meta.head("text_completion"), "choices": [], "usage": usage_json(d.usage)}
+            return
+
+
+def _completion_chunk(meta: Meta, text: str, finish: str | None, logprobs) -> dict:
+    lp = completion_logprobs(logprobs) if meta.logprobs else None
+    out = {
+        **meta.head("text_completion"),
+        "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
+    }
+    if meta.include_usage:
+        out["usage"] = None
+    return out
+
+
+# ---- one response -----------------------------------------------------------------------------------------------
+def full_chat(deltas: Iterator[Delta], meta: Meta) -> dict:
+    """The same deltas folded into one chat.completion."""
+    reasoning, content, calls, entries = [], [], [], []
+    finish, usage = None, None
+    saw_reasoning = False
+    for d in deltas:
+        entries.extend(d.logprobs)
+        if d.kind == "reasoning":
+            saw_reasoning = True
+            reasoning.append(d.text)
+        elif d.kind == "content":
+            content.append(d.text)
+        elif d.kind == "tool_call":
+            calls.append(d.tool_call.to_message())
+        if d.finish_reason is not None:
+            finish, usage = d.finish_reason, d.usage
+    text = "".join(content)
+    message = {
+        "role": "assistant",
+        "content": text if text or not calls else None,
+        "reasoning_content": "".join(reasoning) if saw_reasoning else None,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    choice = {
+        "index": 0,
+        "message": message,
+        "logprobs": chat_logprobs(entries) if meta.logprobs else None,
+        "finish_reason": finish,
+    }
+    return {**meta.head("chat.completion"), "choices": [choice], "usage": usage_json(usage) if usage else None}
+
+
+def full_completion(deltas: Iterator[Delta], meta: Meta) -> dict:
+    """The same deltas folded into one text_completion (echoed prompt first)."""
+    text, entries = [], []
+    finish, usage = None, None
+    for d in deltas:
+        entries.extend(d.logprobs)
+        if d.kind in ("prompt", "content"):
+            text.append(d.text)
+        if d.finish_reason is not None:
+            finish, usage = d.finish_reason, d.usage
+    lp = completion_logprobs(entries) if meta.logprobs else None
+    choice = {"index": 0, "text": "".join(text), "logprobs": lp, "finish_reason": finish}
+    return {**meta.head("text_completion"), "choices": [choice], "usage": usage_json(usage) if usage else None}

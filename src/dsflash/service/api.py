@@ -1,0 +1,120 @@
+"""Types of the in-process API: typed requests in, Deltas out (the server and the CLI both speak these)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from dsflash.text.chat import ChatOptions
+from dsflash.text.tools import ToolCall
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Sampling and stopping; validated by the caller (server/protocol.py), trusted here."""
+
+    max_tokens: int | None = None  # None: the rest of the context
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k alternatives
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: Sequence[Mapping]  # OpenAI messages; text/chat.py validates them while encoding
+    options: GenerationOptions = GenerationOptions()
+    chat: ChatOptions = ChatOptions()
+    tools: Sequence[Mapping] | None = None
+    tool_choice: Literal["auto", "none"] = "auto"
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    prompt: str | tuple[int, ...]  # text (BOS is prepended) or token ids (used as they are)
+    options: GenerationOptions = GenerationOptions()
+    echo: bool = False
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position: the chosen token and the best alternatives. logprob is None for the first echoed prompt token."""
+
+    token: str
+    logprob: float | None
+    bytes: tuple[int, ...]
+    top: tuple[TopLogprob, ...] | None
+    offset: int  # character offset of this token's text in the completion text (echoed prompt included)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class RequestStats:
+    """What one request cost; the per-request log line and /metrics are made from it."""
+
+    request_id: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    ttft_s: float | None = None  # receipt -> first token (queue wait + prefill)
+    decode_s: float = 0.0  # first token -> last token
+    expert_hits: int | None = None
+    expert_misses: int | None = None
+    bytes_streamed: int | None = None
+    finish_reason: str | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        n = self.completion_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else None
+
+    @property
+    def hit_rate(self) -> float | None:
+        if self.expert_hits is None or self.expert_misses is None or self.expert_hits + self.expert_misses == 0:
+            return None
+        return self.expert_hits / (self.expert_hits + self.expert_misses)
+
+
+Kind = Literal["start", "prompt", "reasoning", "content", "tool_call"]
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of the answer. `start` marks the first sampled token (it carries no text); `prompt` is the echoed
+    prompt; the last Delta carries finish_reason (stop | length | tool_calls | cancelled) and usage."""
+
+    kind: Kind
+    text: str = ""
+    tool_call: ToolCall | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None

@@ -1,0 +1,285 @@
+"""Generator: a chat or completion request -> prompt ids -> engine -> text stream tools -> Deltas.
+
+Runs on the caller's thread (an HTTP worker), never on the engine thread: the engine sees token ids only.
+Text order per token: detokenizer -> `</think>` split (chat, when the prompt opened `<think>`) -> DSML tool calls
+(chat with tools) -> stop strings (content only; a match cancels the engine's handle).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+from dsflash.errors import ContextTooLong, InvalidRequest, Overloaded
+from dsflash.runtime.queue import GenerationRequest, Handle, TokenEvent
+from dsflash.runtime.sampler import SamplingParams
+from dsflash.service.api import (
+    ChatRequest,
+    CompletionRequest,
+    Delta,
+    GenerationOptions,
+    RequestStats,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from dsflash.text.chat import encode_chat
+from dsflash.text.detokenizer import Detokenizer, token_text
+from dsflash.text.reasoning import REASONING, ReasoningParser
+from dsflash.text.stops import StopMatcher
+from dsflash.text.tokenizer import BOS, Tokenizer
+from dsflash.text.tools import ToolCall, ToolCallParser
+
+# runner counters (cumulative) that feed the per-request expert numbers, when a backend reports them
+_COUNTERS = ("expert_hits", "expert_misses", "bytes_streamed")
+
+
+class Generator:
+    """Requests in, Iterator[Delta] out; `engine` is anything with submit(GenerationRequest) -> Handle."""
+
+    def __init__(self, engine, tokenizer: Tokenizer, max_len: int, release: str = "v41", clock=time.perf_counter):
+        self.engine, self.tokenizer, self.max_len, self.release = engine, tokenizer, max_len, release
+        self.clock = clock
+
+    # ---- prompts ------------------------------------------------------------------------------------------------
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        tools = list(req.tools) if req.tools else None
+        return encode_chat(
+            self.tokenizer, req.messages, tools, max_prompt_tokens=self.max_len, release=self.release, options=req.chat
+        )
+
+    def text_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> ids; BOS first (as vLLM's DeepSeek tokenizer does) unless the text already starts with it."""
+        ids = self.tokenizer.encode(text)
+        bos = self.tokenizer.bos_id
+        if add_special_tokens and bos is not None and not text.startswith(BOS):
+            ids = [bos, *ids]
+        return ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids must be in 0..{self.tokenizer.vocab_size - 1}; got {bad[0]}", "tokens")
+        return self.tokenizer.decode(ids)
+
+    def check_admission(self) -> None:
+        """Overloaded before any text work when the queue is already full (cheap early 429)."""
+        q = getattr(self.engine, "queue", None)
+        if q is not None and q.depth >= q.max_size:
+            raise Overloaded(f"the request queue is full ({q.max_size} waiting)", retry_after=1)
+
+    # ---- generation ---------------------------------------------------------------------------------------------
+    def open_chat(self, req: ChatRequest) -> Stream:
+        t0 = self.clock()
+        ids = self.chat_prompt(req)
+        thinking = bool(ids) and ids[-1] == self.tokenizer.think_open_id  # the output starts inside reasoning
+        tools = bool(req.tools) and req.tool_choice != "none"
+        pipe = _Pipeline(self.tokenizer, req.options, reasoning=thinking, tools=tools)
+        return self._submit(ids, req.options, pipe, req.request_id, t0, param="messages")
+
+    def open_completion(self, req: CompletionRequest) -> Stream:
+        t0 = self.clock()
+        ids = self.text_prompt(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        pipe = _Pipeline(self.tokenizer, req.options, echo=req.echo)
+        return self._submit(ids, req.options, pipe, req.request_id, t0, param="prompt")
+
+    def stream(self, req: ChatRequest | CompletionRequest) -> Iterator[Delta]:
+        return iter(self.open_chat(req) if isinstance(req, ChatRequest) else self.open_completion(req))
+
+    def _submit(self, ids, opts: GenerationOptions, pipe: _Pipeline, request_id, t0: float, param: str) -> Stream:
+        n = len(ids)
+        if n >= self.max_len:
+            raise ContextTooLong(f"the prompt is {n} tokens; this model's context is {self.max_len} tokens", param)
+        max_tokens = self.max_len - n if opts.max_tokens is None else opts.max_tokens
+        if n + max_tokens > self.max_len:
+            raise ContextTooLong(
+                f"this model's context is {self.max_len} tokens; the prompt has {n} and max_tokens is {max_tokens} "
+                f"(at most {self.max_len - n} fit)",
+                param="max_tokens",
+            )
+        prompt_lp = opts.logprobs if pipe.echo and opts.logprobs is not None else None
+        params = SamplingParams(
+            temperature=opts.temperature,
+            top_p=opts.top_p,
+            top_k=opts.top_k,
+            min_p=opts.min_p,
+            seed=None if opts.seed is None else opts.seed % (1 << 63),
+            max_tokens=max_tokens,
+            stop_token_ids=opts.stop_token_ids,
+            ignore_eos=opts.ignore_eos,
+            logprobs=opts.logprobs,
+            prompt_logprobs=prompt_lp,
+        )
+        request = GenerationRequest(tuple(ids), params)
+        if request_id is not None:
+            request = replace(request, request_id=request_id)
+        handle = self.engine.submit(request)
+        stats = RequestStats(request.request_id, prompt_tokens=n)
+        return Stream(self, handle, ids, pipe, stats, t0)
+
+
+class Stream:
+    """One submitted request: iterate for Deltas (once), cancel() from any thread."""
+
+    def __init__(self, gen: Generator, handle: Handle, prompt: list[int], pipe: _Pipeline, stats, t0: float):
+        self.gen, self.handle, self.prompt, self.pipe, self.stats, self.t0 = gen, handle, prompt, pipe, stats, t0
+        self._t_first: float | None = None
+        self._counters0: dict | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.stats.request_id
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    def __iter__(self) -> Iterator[Delta]:
+        pipe, tok = self.pipe, self.gen.tokenizer
+        events = iter(self.handle)
+        try:
+            for ev in events:
+                yield from self._on_event(ev, pipe, tok)
+                if ev.finish_reason is not None or pipe.stops.stopped:
+                    break
+        finally:
+            if self.stats.finish_reason is None:  # the consumer went away or an error ended the stream
+                self.handle.cancel()
+
+    def _on_event(self, ev: TokenEvent, pipe: _Pipeline, tok: Tokenizer) -> Iterator[Delta]:
+        now = self.gen.clock()
+        if pipe.echo and not pipe.echoed:  # the first event carries the prompt's logprobs when they were asked for
+            yield from pipe.echo_prompt(self.prompt, ev.prompt_logprobs)
+        self._read_counters(ev.stats)
+        if ev.token is not None:
+            if self._t_first is None:
+                self._t_first, self.stats.ttft_s = now, now - self.t0
+                yield Delta("start")
+            self.stats.decode_s = now - self._t_first
+            self.stats.completion_tokens += 1
+            if pipe.in_reasoning:
+                self.stats.reasoning_tokens += 1
+            if not ev.stop_token:
+                yield from pipe.feed_token(ev.token, ev.logprob, ev.top)
+        if pipe.stops.stopped:
+            self.handle.cancel()  # the engine learns only "cancelled"; the client sees a normal stop
+            yield from self._finish("stop")
+        elif ev.finish_reason is not None:
+            yield from self._finish(ev.finish_reason)
+
+    def _finish(self, reason: str) -> Iterator[Delta]:
+        pipe = self.pipe
+        yield from pipe.finish()
+        if reason == "stop" and pipe.tool_calls:
+            reason = "tool_calls"
+        self.stats.finish_reason = reason
+        usage = Usage(self.stats.prompt_tokens, self.stats.completion_tokens, self.stats.reasoning_tokens)
+        yield Delta("content", logprobs=pipe.take_logprobs(), finish_reason=reason, usage=usage)
+
+    def _read_counters(self, stats: dict) -> None:
+        if not stats:
+            return
+        if self._counters0 is None:
+            self._counters0 = stats.get("counters_start") or {}
+        for key in _COUNTERS:
+            if key in stats and key in self._counters0:
+                setattr(self.stats, key, stats[key] - self._counters0[key])
+
+
+class _Pipeline:
+    """Per-request text state: ids -> text -> reasoning / content / tool calls, stop strings, logprob entries."""
+
+    def __init__(self, tok: Tokenizer, opts: GenerationOptions, reasoning=False, tools=False, echo=False):
+        self.tok, self.opts, self.echo = tok, opts, echo
+        self.detok = Detokenizer(tok, skip_special_tokens=opts.skip_special_tokens)
+        self.reasoning = ReasoningParser(thinking=True) if reasoning else None
+        self.tools = ToolCallParser() if tools else None
+        self.stops = StopMatcher(opts.stop, opts.include_stop_str_in_output)
+        self.tool_calls: list[ToolCall] = []
+        self.echoed = False
+        self._offset0 = 0  # length of the echoed prompt text: completion offsets count from there
+        self._pending: list[TokenLogprob] = []
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.reasoning is not None and self.reasoning.in_reasoning
+
+    def echo_prompt(self, prompt: list[int], prompt_lp: list | None) -> Iterator[Delta]:
+        if not self.echo or self.echoed:
+            return
+        self.echoed = True
+        detok = Detokenizer(self.tok, skip_special_tokens=self.opts.skip_special_tokens)
+        pieces = detok.feed_many(prompt)
+        text = "".join(p.text for p in pieces) + detok.finish()
+        self._offset0 = len(text)
+        entries = ()
+        if prompt_lp is not None:
+            entries = tuple(
+                self._entry(p.token_id, None if lp is None else lp[1], None if lp is None else lp[2], p.offset)
+                for p, lp in zip(pieces, prompt_lp)
+            )
+        yield Delta("prompt", text, logprobs=entries)
+
+    def feed_token(self, token: int, logprob: float | None, top) -> Iterator[Delta]:
+        piece = self.detok.feed(token)
+        if self.opts.logprobs is not None:
+            self._pending.append(self._entry(token, logprob, top, self._offset0 + piece.offset))
+        yield from self._text(piece.text)
+
+    def finish(self) -> Iterator[Delta]:
+        if self.stops.stopped:
+            return
+        yield from self._text(self.detok.finish())
+        segments = self.reasoning.finish() if self.reasoning is not None else []
+        for seg in segments:
+            yield from self._segment(seg.kind, seg.text)
+        if self.tools is not None:
+            yield from self._content(self.tools.finish())
+        tail = self.stops.finish()
+        if tail:
+            yield self._attach(Delta("content", tail))
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        out, self._pending = tuple(self._pending), []
+        return out
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+    def _text(self, text: str) -> Iterator[Delta]:
+        if not text or self.stops.stopped:
+            return
+        if self.reasoning is None:
+            yield from self._segment("content", text)
+            return
+        for seg in self.reasoning.feed(text):
+            yield from self._segment(seg.kind, seg.text)
+
+    def _segment(self, kind: str, text: str) -> Iterator[Delta]:
+        if self.stops.stopped:
+            return
+        if kind == REASONING:
+            yield self._attach(Delta("reasoning", text))
+        elif self.tools is not None:
+            yield from self._content(self.tools.feed(text))
+        else:
+            yield from self._content([text])
+
+    def _content(self, items: list) -> Iterator[Delta]:
+        for item in items:
+            if self.stops.stopped:
+                return
+            if isinstance(item, ToolCall):
+                self.tool_calls.append(item)
+                yield self._attach(Delta("tool_call", tool_call=item))
+                continue
+            text = self.stops.feed(item)
+            if text:
+                yield self._attach(Delta("content", text))
+
+    def _attach(self, delta: Delta) -> Delta:
+        return replace(delta, logprobs=self.take_logprobs()) if self._pending else delta
+
+    def _entry(self, token: int, logprob: float | None, top, offset: int) -> TokenLogprob:
+        alts = None
+        if top is not None:
+            alts = tuple(TopLogprob(token_text(self.tok, t), lp, tuple(self.tok.token_bytes(t))) for t, lp in top)
+        return TokenLogprob(token_text(self.tok, token), logprob, tuple(self.tok.token_bytes(token)), alts, offset)

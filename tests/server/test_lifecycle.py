@@ -1,0 +1,109 @@
+"""`dsflash serve` / `stop` / `ps` / `logs` as a person uses them: first boot in a fresh cache, a second server on a
+busy port (detached), stopping from another process while a request runs, the ports freed, exit codes 0."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.server.conftest import dsflash_env, free_port, port_open, start_server
+
+
+def dsflash(env, *args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dsflash", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_boot_port_walk_detach_stop(tmp_path):
+    cache = tmp_path / "fresh-cache"  # nothing generated yet: this is a first boot
+    port = free_port()
+    a = start_server(tmp_path, cache, "--shutdown-grace", "1", port=port)
+    try:
+        # the port opens at once; until the model is loaded every route but /metrics answers 503
+        t0 = time.monotonic()
+        while not port_open(a.port) and time.monotonic() - t0 < 30:
+            a._find_port()
+            time.sleep(0.02)
+        port = a.port
+        loading = httpx.get(a.base + "/health")
+        assert loading.status_code == 503 and loading.json()["error"]["code"] == "not_ready"
+        assert httpx.get(a.base + "/v1/models").status_code == 503
+        assert httpx.get(a.base + "/metrics").status_code == 200
+        first_boot = a.wait_ready()
+        assert first_boot < 60, f"first boot took {first_boot:.0f}s"
+        out = a.output()
+        assert "generated" in out and "Ready in" in out and f"http://127.0.0.1:{port}/v1" in out
+        assert "expert store      built after the packer self-check" in out
+        for label in ("checkpoint", "inventory", "expert store", "dense weights", "slots and caches", "warm-up", "API"):
+            assert f" {label} " in out, label
+
+        # a second server asks for the same port: it walks up, says so, and reuses the generated model
+        env = a.env
+        t0 = time.monotonic()
+        b = dsflash(
+            env, "serve", "--port", str(port), "--detach", "--default-chat-template-kwargs", '{"thinking": false}'
+        )
+        assert b.returncode == 0, b.stdout + b.stderr
+        assert time.monotonic() - t0 < 60
+        assert f"{port} is busy; using" in b.stdout and "Ready in" in b.stdout
+        assert "checkpoint        reused" in b.stdout and "expert store      reused" in b.stdout
+        ps = [json.loads(line) for line in dsflash(env, "ps", "--json").stdout.splitlines()]
+        assert len(ps) == 2 and port in [r["port"] for r in ps] and all(r["health"] == "ready" for r in ps)
+        port_b = next(r["port"] for r in ps if r["port"] != port)
+        # the server-wide default (thinking off) applies; a request can still turn thinking on
+        tok = httpx.post(f"http://127.0.0.1:{port_b}/tokenize", json={"messages": [{"role": "user", "content": "x"}]})
+        assert tok.json()["tokens"][-1] == 128822
+
+        # name ambiguity: two servers of the same model need a port or --all
+        for name in ([], ["dsflash-tiny-v4.1"]):
+            amb = dsflash(env, "stop", *name)
+            assert amb.returncode == 1 and "several servers match" in amb.stderr
+
+        # stop A from another process while a request is streaming on it: the stream ends cleanly, exit 0
+        got = {}
+
+        def stream():
+            body = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", a.base + "/v1/completions", json=body, timeout=60) as r:
+                got["lines"] = [line for line in r.iter_lines() if line]
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(1.0)
+        stop = dsflash(env, "stop", str(port))
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert a.proc.wait(30) == 0
+        t.join(30)
+        assert not port_open(port)
+        lines = got["lines"]
+        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]  # cancelled after the grace period, told so
+        assert "stopped" in a.output()
+
+        logs = dsflash(env, "logs", str(port_b))
+        assert logs.returncode == 0 and "Ready in" in logs.stdout
+        last = dsflash(env, "stop")  # only one left: no name needed
+        assert last.returncode == 0 and "is free" in last.stdout
+        assert not port_open(port_b)
+        assert dsflash(env, "ps").stdout.strip() == "no running servers"
+    finally:
+        a.stop()
+        dsflash(a.env, "stop", "--all")
+
+
+def test_boot_failure_is_one_clear_line(tmp_path):
+    env = dsflash_env(tmp_path / "state", tmp_path / "cache")
+    r = dsflash(env, "serve", "some-org/not-cached@main", "--port", str(free_port()), timeout=60)
+    assert r.returncode == 1
+    assert "not in the Hugging Face cache" in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr
+    r = dsflash(env, "serve", "./no/such/dir", timeout=30)
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    r = dsflash(env, "profiles", "rothgar/deepseek-v4.1-flash-p300x2")
+    assert "p300x2-32k" in r.stdout and "33792" in r.stdout
+    r = dsflash(env, "serve", "rothgar/deepseek-v4.1-flash-p300x2", "--profile", "nope", timeout=30)
+    assert r.returncode == 1 and "p300x2-32k" in r.stderr
