@@ -84,7 +84,7 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
 
     cache = str(CACHE / "stores")
     t = time.perf_counter()
-    build_store(ckpt, cache, tp=1, fmt="bfp4_b", progress=False)
+    build_store(ckpt, cache, tp=1, fmt="bfp4_b", progress=False, rebuild=True)
     store_s = time.perf_counter() - t
     opts = EngineOptions(str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads)
     runner = TPRunner(opts, 1, token_map, cfg.vocab_size)

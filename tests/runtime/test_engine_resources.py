@@ -89,7 +89,10 @@ def test_a_dead_rank_fails_the_engine_fast_and_clearly(tp2):
         with pytest.raises(EngineDead, match="rank 1"):
             list(engine.submit(GenerationRequest((5, 6, 7), SamplingParams(temperature=0, max_tokens=2))))
         assert time.monotonic() - t0 < 30
-        with pytest.raises(EngineDead):
+        with pytest.raises(EngineDead):  # later requests fail at once (at submit, or at the first event if racing)
+            list(engine.submit(GenerationRequest((5,), SamplingParams(max_tokens=1))))
+        time.sleep(0.2)
+        with pytest.raises(EngineDead, match="rank 1"):
             engine.submit(GenerationRequest((5,), SamplingParams(max_tokens=1)))
     finally:
         engine.close()

@@ -42,7 +42,16 @@ def test_bfp8_engine_is_the_reference_at_every_tp_with_evictions(setup, cache):
     files, ids, prefill, want = setup
     n_active = files.ckpt.config.num_experts_per_tok
     for tp in _tp_degrees(files):
-        got = engine_scores(files, ids, prefill, tp=tp, expert_slots=n_active, expert_format="bfp8_b", cache_dir=cache)
+        got = engine_scores(
+            files,
+            ids,
+            prefill,
+            tp=tp,
+            expert_slots=n_active,
+            expert_format="bfp8_b",
+            cache_dir=cache,
+            prefill_matmul="fp32",
+        )
         r = report(want, got)
         assert r["pass"], (tp, r)
         assert r["experts"]["misses"] > 0 and r["experts"]["slots"] == n_active
@@ -54,7 +63,9 @@ def test_bfp8_engine_is_the_reference_at_every_tp_with_evictions(setup, cache):
 def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
     """With bfp4 the engine equals the reference fed the same bfp4-rounded experts; bfp8 is strictly better."""
     files, ids, prefill, want = setup
-    got = engine_scores(files, ids, prefill, tp=1, expert_slots=3, expert_format="bfp4_b", cache_dir=cache)
+    got = engine_scores(
+        files, ids, prefill, tp=1, expert_slots=3, expert_format="bfp4_b", cache_dir=cache, prefill_matmul="fp32"
+    )
     ref = load_reference(files.ckpt, files.token_map, qat=False, dspark=False)
     rounded = {k: tuple(_bfp4(w) for w in ws) for k, ws in ref.experts.weights.items()}
     ideal = LoadedModel(ref.cfg, ref.model, ResidentExperts(rounded, ref.cfg.swiglu_limit))

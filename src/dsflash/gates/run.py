@@ -50,6 +50,7 @@ def engine_scores(
     cache_dir: str | None = None,
     qat: bool = False,
     progress: bool = False,
+    prefill_matmul: str = "fp32",
 ) -> Scores:
     runner = start_runner(
         files.ckpt,
@@ -61,6 +62,7 @@ def engine_scores(
         cache_dir=cache_dir,
         qat=qat,
         progress=progress,
+        prefill_matmul=prefill_matmul,
     )
     try:
         pre, dec = _score(runner_forward(runner), ids, prefill)

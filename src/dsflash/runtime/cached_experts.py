@@ -22,8 +22,9 @@ def shard_layout(geometry) -> ShardLayout:
 
 
 class CachedExperts:
-    def __init__(self, store, device: Device, n_slots: int, rank: int, swiglu_limit: float):
+    def __init__(self, store, device: Device, n_slots: int, rank: int, swiglu_limit: float, routing_log=None):
         self.store, self.device, self.rank, self.limit = store, device, rank, swiglu_limit
+        self.routing_log = routing_log  # runtime.routing_log.RoutingLog or None
         self.layout = shard_layout(store.geometry)
         self.pool = SlotPool(n_slots)
         self.slots = device.allocate(n_slots, self.layout.nbytes)
@@ -32,6 +33,8 @@ class CachedExperts:
         self.copy_s = 0.0
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.routing_log is not None:
+            self.routing_log.moe(layer, ids)
         y = torch.zeros(x.shape, dtype=torch.float32)
         x = x.float()
         experts = torch.unique(ids).tolist()
@@ -74,3 +77,5 @@ class CachedExperts:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+        if self.routing_log is not None:
+            self.routing_log.close()

@@ -1,9 +1,10 @@
 """The engine's dense weights: FP8 blocks where the checkpoint has FP8, bfloat16 elsewhere; fp32 products.
 
-Both formats hold the checkpoint's values exactly (FP8 x power-of-two block scale; BF16), and both multiply with
-fp32 activations into fp32 outputs, so tensor-parallel partial sums differ from a TP-1 run only in summation
-order. Few rows (decode) run the native GEMV kernels at about one read of the weight; many rows (prefill) expand
-the weight to fp32 and use the BLAS.
+Both formats hold the checkpoint's values exactly (FP8 x power-of-two block scale; BF16). Few rows (decode) run
+the native GEMV kernels: fp32 activations, fp32 products, about one read of the weight. Many rows (prefill) expand
+the weight and use the BLAS: in bf16 on the matrix units where every rank computes whole outputs, in fp32 where a
+rank produces partial sums (row-parallel layers), so tensor-parallel runs still differ from a TP-1 run only in
+summation order.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from dsflash.formats import fp8
 from dsflash.model.block import Head
-from dsflash.model.layers import Linear
+from dsflash.model.layers import Linear, RowParallelLinear
 from dsflash.runtime import native
 
 GEMV_MAX_ROWS = 8
@@ -24,22 +25,26 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return x.reshape(-1, x.shape[-1]), x.shape[:-1]
 
 
+def _matmul(flat: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return F.linear(flat.to(dtype), w.to(dtype)).float()
+
+
 class Fp8Weight:
     """FP8 E4M3 [O, I] with one power-of-two scale per block x block tile."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block: int):
-        self.q, self.block = q, block
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block: int, matmul: torch.dtype = torch.float32):
+        self.q, self.block, self.matmul = q, block, matmul
         self.scale = scale  # fp32 [ceil(O/B), ceil(I/B)]
         self.scale256 = (scale * 256).contiguous()  # the kernel's decode leaves a 2^-8 for the scale to undo
 
     @classmethod
-    def exact(cls, w: torch.Tensor, block: int) -> Fp8Weight | None:
+    def exact(cls, w: torch.Tensor, block: int, matmul: torch.dtype = torch.float32) -> Fp8Weight | None:
         """Quantize a weight that came from FP8 blocks; None if that does not reproduce it exactly."""
         q, s = fp8.quant_block(w.float(), block)
         s = s.float()
         if not torch.equal(fp8.dequant_block(q, s, block), w.float()):
             return None
-        return cls(q.view(torch.uint8).contiguous(), s, block)
+        return cls(q.view(torch.uint8).contiguous(), s, block, matmul)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         flat, lead = _rows(x)
@@ -47,19 +52,21 @@ class Fp8Weight:
             y = native.fp8_gemv(self.q, self.scale256, self.block, flat)
             if y is not None:
                 return y.view(*lead, -1)
-        w = fp8.dequant_block(self.q.view(torch.float8_e4m3fn), self.scale, self.block)
-        return F.linear(flat.float(), w).view(*lead, -1)
+        w = native.fp8_dequant(self.q, self.scale256, self.block, self.matmul)
+        if w is None:
+            w = fp8.dequant_block(self.q.view(torch.float8_e4m3fn), self.scale, self.block)
+        return _matmul(flat, w, self.matmul).view(*lead, -1)
 
     def rows(self, start: int, stop: int) -> Fp8Weight:
         if start % self.block or (stop % self.block and stop != self.q.shape[0]):
             raise ValueError(f"rows {start}:{stop} do not follow the {self.block}-row scale blocks")
         b0, b1 = start // self.block, -(-stop // self.block)
-        return Fp8Weight(self.q[start:stop], self.scale[b0:b1], self.block)
+        return Fp8Weight(self.q[start:stop], self.scale[b0:b1], self.block, self.matmul)
 
 
 class Bf16Weight:
-    def __init__(self, w: torch.Tensor):
-        self.w = w.to(torch.bfloat16).contiguous()
+    def __init__(self, w: torch.Tensor, matmul: torch.dtype = torch.float32):
+        self.w, self.matmul = w.to(torch.bfloat16).contiguous(), matmul
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         flat, lead = _rows(x)
@@ -67,28 +74,31 @@ class Bf16Weight:
             y = native.bf16_gemv(self.w, flat)
             if y is not None:
                 return y.view(*lead, -1)
-        return F.linear(flat.float(), self.w.float()).view(*lead, -1)
+        return _matmul(flat, self.w, self.matmul).view(*lead, -1)
 
     def rows(self, start: int, stop: int) -> Bf16Weight:
-        return Bf16Weight(self.w[start:stop])
+        return Bf16Weight(self.w[start:stop], self.matmul)
 
 
-def pack_dense(model: nn.Module, ckpt, fmt: str = "fp8") -> int:
+def pack_dense(model: nn.Module, ckpt, fmt: str = "fp8", matmul: torch.dtype = torch.float32) -> int:
     """Replace every matrix of `model` by its device format; returns the bytes the packed weights hold.
 
     fmt "fp8": FP8 where the checkpoint stores FP8, bf16 elsewhere. fmt "bf16": bf16 everywhere.
+    matmul: the dtype of prefill products where a rank computes whole outputs (partial sums are always fp32).
     """
     block = ckpt.config.fp8_block
     total = 0
     for name, m in model.named_modules():
         if not isinstance(m, Linear | Head):
             continue
+        # row-parallel layers and the grouped wo_a (a group may straddle ranks) sum partial products
+        dtype = torch.float32 if isinstance(m, RowParallelLinear) or name.endswith(".wo_a") else matmul
         packed = None
         stored = ckpt.entry(f"{name}.weight").dtype if f"{name}.weight" in ckpt else None
         if fmt == "fp8" and stored == "F8_E4M3":
-            packed = Fp8Weight.exact(m.weight.data, block)
+            packed = Fp8Weight.exact(m.weight.data, block, dtype)
         if packed is None:
-            packed = Bf16Weight(m.weight.data)
+            packed = Bf16Weight(m.weight.data, dtype)
         m.packed = packed
         m.weight.data = torch.empty(0)  # the packed copy is the weight now
         total += _nbytes(packed)

@@ -60,8 +60,8 @@ class CpuDevice:
     """Slots in process memory; experts computed by the native block-float kernels (runtime/native.py).
 
     Few tokens per expert (decode): fused GEMVs straight on the tiles, fp32 activations. Many (prefill): the tiles
-    expand to bf16 (exact) and multiply as matrices with activations in `matmul_dtype` (bf16 runs on AMX; fp32
-    keeps the activations unrounded).
+    expand (exactly) and multiply as matrices, w1 and w3 in `matmul_dtype` (bf16 runs on the matrix units; fp32
+    keeps the activations unrounded), w2 in fp32.
     """
 
     name = "cpu"
@@ -96,11 +96,14 @@ class CpuDevice:
         def view(m: PackedMatrix) -> np.ndarray:
             return mem[m.offset : m.offset + m.nbytes]
 
-        def apply(m: PackedMatrix, a: torch.Tensor) -> torch.Tensor:
+        def apply(m: PackedMatrix, a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             if a.shape[0] <= GEMV_MAX_ROWS:
                 return native.gemv(view(m), (m.rows, m.cols), fmt, a)
-            w = native.dequant_bf16(view(m), (m.rows, m.cols), fmt).to(self.matmul_dtype)
-            return F.linear(a.to(self.matmul_dtype), w).float()
+            if dtype == torch.float32:
+                return F.linear(a.float(), native.dequant_f32(view(m), (m.rows, m.cols), fmt))
+            w = native.dequant_bf16(view(m), (m.rows, m.cols), fmt)
+            return F.linear(a.to(torch.bfloat16), w).float()
 
-        h = swiglu(apply(layout.w1, x), apply(layout.w3, x), limit) * w
-        return apply(layout.w2, h)
+        # w1 / w3 give whole intermediate rows on every rank; w2's outputs are partial sums: fp32 (TP-invariant)
+        h = swiglu(apply(layout.w1, x, self.matmul_dtype), apply(layout.w3, x, self.matmul_dtype), limit) * w
+        return apply(layout.w2, h, torch.float32)

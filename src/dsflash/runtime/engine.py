@@ -65,6 +65,8 @@ class Engine:
     def submit(self, request: GenerationRequest) -> Handle:
         if self._thread is None:
             raise NotReady("the engine is still loading")
+        if self.queue.dead is not None:
+            raise EngineDead(f"the engine stopped: {self.queue.dead}")
         if not self.alive:
             raise EngineDead("the engine thread is not running")
         self.validate(request)

@@ -21,6 +21,7 @@ def start_runner(
     dense_format: str = "fp8",
     threads: int | None = None,
     progress: bool = False,
+    prefill_matmul: str = "fp32",
 ) -> TPRunner:
     check_tp(ckpt.config, tp)
     build_store(ckpt, cache_dir, tp=tp, fmt=expert_format, progress=progress, rebuild=True)
@@ -33,5 +34,6 @@ def start_runner(
         cache_dir=cache_dir,
         qat=qat,
         threads=threads,
+        prefill_matmul=prefill_matmul,
     )
     return TPRunner(opts, tp, token_map, ckpt.config.vocab_size)

@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 
@@ -22,10 +21,9 @@ import torch
 log = logging.getLogger(__name__)
 
 MBITS = {"bfp4_b": 3, "bfp8_b": 7}
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
-_pool: ThreadPoolExecutor | None = None
 
 
 def cache_dir() -> Path:
@@ -56,11 +54,16 @@ def _compile() -> ctypes.CDLL | bool:
                 log.warning("compiling the block-float kernels failed, using torch instead: %s", res.stderr[-500:])
                 return False
             os.replace(so, out)  # atomic: concurrent ranks may compile at once
+    import torch  # noqa: F401 - torch's libgomp first: the kernels then join its OpenMP thread team
+
     lib = ctypes.CDLL(str(out))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.bfp_gemv.argtypes = [p, i, i, i, p, i, p, i, i]
     lib.bfp_to_bf16.argtypes = [p, i, i, i, p, i, i]
+    lib.bfp_to_f32.argtypes = [p, i, i, i, p, i, i]
     lib.fp8_gemv.argtypes = [p, p, i, i, i, p, i, p, i, i]
+    lib.fp8_to_f32.argtypes = [p, p, i, i, i, p, i, i]
+    lib.fp8_to_bf16.argtypes = [p, p, i, i, i, p, i, i]
     lib.bf16_gemv.argtypes = [p, i, i, p, i, p, i, i]
     return lib
 
@@ -73,21 +76,24 @@ def lib() -> ctypes.CDLL | None:
     return _lib or None
 
 
-# below this many weight elements a call runs inline: handing rows to the pool costs more than it saves
-_SPLIT_MIN = 1 << 18
-
-
 def _split(n: int, work, cost: int) -> None:
-    """Run work(lo, hi) over [0, n) rows on the pool (inline for one thread or a small matrix)."""
-    global _pool
-    threads = max(1, torch.get_num_threads())
-    if threads == 1 or n < 2 * threads or cost < _SPLIT_MIN:
-        work(0, n)
-        return
-    if _pool is None or _pool._max_workers != threads:
-        _pool = ThreadPoolExecutor(threads, thread_name_prefix="dsflash-bfp")
-    cuts = np.linspace(0, n, threads + 1).astype(int)
-    list(_pool.map(lambda k: work(int(cuts[k]), int(cuts[k + 1])), range(threads)))
+    """work(0, n): the kernels split rows over torch's OpenMP threads themselves."""
+    work(0, n)
+
+
+_scratch = threading.local()
+
+
+def scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A reusable buffer for an expansion that is consumed at once: a fresh tensor of this size would be fresh
+    pages, and faulting them in costs as much as filling them."""
+    cache = _scratch.__dict__.setdefault("buffers", {})
+    key = (shape, dtype)
+    if key not in cache:
+        if len(cache) > 16:  # shapes are few (one per kind of matrix); bound it anyway
+            cache.clear()
+        cache[key] = torch.empty(shape, dtype=dtype)
+    return cache[key]
 
 
 def _ptr(a: np.ndarray | torch.Tensor) -> int:
@@ -111,8 +117,20 @@ def gemv(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: str, x: 
     return y
 
 
+def dequant_f32(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:
+    """Packed W [rows, cols] -> fp32 [rows, cols] (exact), in a scratch buffer valid until the next expansion."""
+    rows, cols = shape
+    k = lib()
+    if k is None:
+        return dequant_bf16(tiles, shape, fmt).float()
+    out = scratch((rows, cols), torch.float32)
+    tr, tc, m = rows // 32, cols // 32, MBITS[fmt]
+    _split(tr, lambda lo, hi: k.bfp_to_f32(_ptr(tiles), tr, tc, m, out.data_ptr(), lo, hi), rows * cols)
+    return out
+
+
 def dequant_bf16(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:
-    """Packed W [rows, cols] -> bfloat16 [rows, cols] (exact)."""
+    """Packed W [rows, cols] -> bfloat16 [rows, cols] (exact), in a scratch buffer valid until the next expansion."""
     rows, cols = shape
     k = lib()
     if k is None:
@@ -120,7 +138,7 @@ def dequant_bf16(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: 
 
         buf = tiles.numpy() if isinstance(tiles, torch.Tensor) else tiles
         return torch.from_numpy(bfp.unpack(np.ascontiguousarray(buf), fmt, shape)).bfloat16()
-    out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    out = scratch((rows, cols), torch.bfloat16)
     tr, tc, m = rows // 32, cols // 32, MBITS[fmt]
     _split(tr, lambda lo, hi: k.bfp_to_bf16(_ptr(tiles), tr, tc, m, out.data_ptr(), lo, hi), rows * cols)
     return out
@@ -153,3 +171,18 @@ def bf16_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(x.shape[0], O, dtype=torch.float32)
     _split(O, lambda lo, hi: k.bf16_gemv(w.data_ptr(), O, I, x.data_ptr(), x.shape[0], y.data_ptr(), lo, hi), O * I)
     return y
+
+
+def fp8_dequant(
+    w: torch.Tensor, scale256: torch.Tensor, block: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor | None:
+    """FP8 W [O, I] (uint8 view) with fp32 block scales x 256 -> fp32 or bf16 [O, I] (exact, in a scratch buffer
+    valid until the next expansion); None without kernels."""
+    k = lib()
+    if k is None:
+        return None
+    O, I = w.shape
+    out = scratch((O, I), dtype)
+    fn = k.fp8_to_f32 if dtype == torch.float32 else k.fp8_to_bf16
+    _split(O, lambda lo, hi: fn(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), lo, hi), O * I)
+    return out

@@ -84,14 +84,14 @@ class RequestQueue:
         self.dead: BaseException | None = None
 
     def submit(self, request: GenerationRequest) -> Handle:
-        if self.dead is not None:
-            raise EngineDead(f"the engine stopped: {self.dead}")
-        with self._lock:
+        with self._lock:  # fail_all holds it too: a request either sees the engine dead or is drained by it
+            if self.dead is not None:
+                raise EngineDead(f"the engine stopped: {self.dead}")
             if self._waiting >= self.max_size:
                 raise Overloaded(f"the request queue is full ({self.max_size} waiting)", retry_after=1)
             self._waiting += 1
-        handle = Handle(request, owner=self)
-        self._q.put(handle)
+            handle = Handle(request, owner=self)
+            self._q.put(handle)
         return handle
 
     def take(self, timeout: float | None = None) -> Handle | None:
@@ -129,7 +129,8 @@ class RequestQueue:
         return self._waiting
 
     def fail_all(self, error: BaseException) -> None:
-        self.dead = error
+        with self._lock:
+            self.dead = error
         while True:
             handle = self.take(timeout=0)
             if handle is None and self._q.empty():

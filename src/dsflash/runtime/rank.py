@@ -21,6 +21,7 @@ from dsflash.store.build import open_store
 log = logging.getLogger(__name__)
 
 DENSE_FORMATS = ("fp8", "bf16", "fp32")
+MATMUL = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class EngineOptions:
     qat: bool = True
     dspark: bool = False
     threads: int | None = None  # torch / kernel threads per rank (default: cores / ranks)
+    record_routing: str | None = None  # JSON-lines file for every MoE call's routing (rank 0; runtime.routing_log)
+    # prefill products without partial sums: fp32 (exact, TP-invariant) or bf16 (matrix units; its output rounding
+    # depends on the BLAS blocking, so TP degrees then differ by a bf16 ulp)
+    prefill_matmul: str = "fp32"
 
 
 def slot_count(requested: int, ckpt: Checkpoint) -> int:
@@ -53,26 +58,47 @@ class RankRuntime:
         self.model = Transformer(cfg, tp=tp, token_map=token_map, qat=opts.qat, dspark=opts.dspark)
         load_into(self.model, ckpt)
         if opts.dense_format != "fp32":
-            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format)
+            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, MATMUL[opts.prefill_matmul])
             for m in self.model.modules():  # embedding rows are only gathered: bf16 halves them for free
                 if isinstance(m, Embedding):
                     m.weight.data = m.weight.data.bfloat16()
         self.model.eval()
         store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
         ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
-        device = device or CpuDevice()
-        self.experts = CachedExperts(store, device, slot_count(opts.expert_slots, ckpt), tp.rank, cfg.swiglu_limit)
+        device = device or CpuDevice(MATMUL[opts.prefill_matmul])
+        self.routing_log = _routing_log(opts, tp, cfg)
+        self.experts = CachedExperts(
+            store, device, slot_count(opts.expert_slots, ckpt), tp.rank, cfg.swiglu_limit, self.routing_log
+        )
         self.state = self.model.new_state(opts.max_len)
 
     def reset(self) -> None:
         self.state.reset()
+        if self.routing_log is not None:
+            self.routing_log.reset()
 
     def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         """tokens [1, s] -> fp32 logits [1, s, V] (every rank gets the gathered logits)."""
-        return self.model(tokens, start_pos, self.state, self.experts)
+        if self.routing_log is None:
+            return self.model(tokens, start_pos, self.state, self.experts)
+        self.routing_log.begin(start_pos, tokens.shape[1])
+        try:
+            return self.model(tokens, start_pos, self.state, self.experts)
+        finally:
+            self.routing_log.end()
 
     def counters(self) -> dict:
         return self.experts.counters()
 
     def close(self) -> None:
         self.experts.close()
+
+
+def _routing_log(opts: EngineOptions, tp: TP, cfg):
+    """The --record-routing recorder on rank 0 (every rank routes the same), else None."""
+    if not opts.record_routing or tp.rank != 0:
+        return None
+    from dsflash.runtime.routing_log import RoutingLog
+
+    moe = [s for s in cfg.layers() if not s.is_dspark and s.n_experts]
+    return RoutingLog(opts.record_routing, [s.layer_id for s in moe], moe[0].n_experts, moe[0].n_active)

@@ -5,8 +5,9 @@
  * 2 = rows 16-31 x cols 0-15, 3 = rows 16-31 x cols 16-31), each face 16 rows of 16 sign-magnitude codes.
  * value = (-1)^s * q * 2^(E - 127 - (m - 1)) with m = 3 (bfp4_b: nibbles, low nibble first) or 7 (bfp8_b: bytes).
  *
- * Built at first use with the system C compiler (-O3 -march=native) by runtime/native.py; the generic loops
- * below are the fallback the compiler vectorizes where AVX-512 is absent. */
+ * Built at first use with the system C compiler (-O3 -march=native -fopenmp) by runtime/native.py, which links
+ * the OpenMP runtime torch already loaded, so these kernels share torch's thread team instead of fighting it.
+ * The generic loops are the fallback the compiler vectorizes where AVX-512 is absent. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -14,7 +15,8 @@
 #include <immintrin.h>
 #endif
 
-#define TILE_ROWS_PER_HALF 16
+/* below this many tiles a call runs on one thread: waking the team costs more than it saves */
+#define PARALLEL_TILES 256
 
 static inline int tile_bytes(int m) { return 64 + 1024 * (m + 1) / 8; }
 static inline int face_bytes(int m) { return 256 * (m + 1) / 8; }
@@ -53,6 +55,37 @@ static inline __m512 decode_row_avx512(const uint8_t *d, int m) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* one vector x: the 16 accumulators of a half tile row stay in registers (the loops have constant bounds) */
+static void gemv1_avx512(const uint8_t *tiles, int tc, int m, const float *sc, const float *x, float *y, int tr0,
+                         int tr1) {
+    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
+    for (int ti = tr0; ti < tr1; ti++) {
+        for (int h = 0; h < 2; h++) {
+            __m512 acc[16];
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+            for (int tj = 0; tj < tc; tj++) {
+                const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+                for (int fc = 0; fc < 2; fc++) {
+                    const int f = 2 * h + fc;
+                    const __m512 xv = _mm512_loadu_ps(x + tj * 32 + fc * 16);
+                    const uint8_t *d = t + 64 + f * fb, *e = t + 16 * f;
+#pragma GCC unroll 16
+                    for (int r = 0; r < 16; r++) {
+                        __m512 v = _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[e[r]]));
+                        acc[r] = _mm512_fmadd_ps(v, xv, acc[r]);
+                    }
+                }
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < 16; r++) y[ti * 32 + 16 * h + r] = _mm512_reduce_add_ps(acc[r]);
+        }
+    }
+}
+#endif
+
 /* y[k, o] = sum_i W[o, i] x[k, i] for tile rows [tr0, tr1).
  * tiles: W [tr*32, tc*32] packed; x: [nx, tc*32] fp32; y: [nx, tr*32] fp32. Best for a few vectors (decode). */
 void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int nx, float *y, int tr0, int tr1) {
@@ -61,10 +94,15 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
     float sc[256];
     scales(m, sc);
 #ifdef __AVX512F__
+    if (nx == 1) {
+        gemv1_avx512(tiles, tc, m, sc, x, y, tr0, tr1);
+        return;
+    }
     for (int k0 = 0; k0 < nx; k0 += 4) {
         int kn = nx - k0 < 4 ? nx - k0 : 4;
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
         for (int ti = tr0; ti < tr1; ti++) {
-            for (int h = 0; h < 2; h++) { /* 16 output rows at a time: 16 (x kn) accumulators stay in registers */
+            for (int h = 0; h < 2; h++) { /* 16 output rows at a time: 16 (x kn) accumulators */
                 __m512 acc[4][16];
                 for (int k = 0; k < kn; k++)
                     for (int r = 0; r < 16; r++) acc[k][r] = _mm512_setzero_ps();
@@ -76,9 +114,7 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
                         for (int k = 0; k < kn; k++) xv[k] = _mm512_loadu_ps(x + (size_t)(k0 + k) * in + tj * 32 + fc * 16);
                         const uint8_t *d = t + 64 + f * fb;
                         for (int r = 0; r < 16; r++) {
-                            int e = t[16 * f + r];
-                            if (e == 0) continue; /* an all-zero (or flushed) row */
-                            __m512 v = _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[e]));
+                            __m512 v = _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[t[16 * f + r]]));
                             for (int k = 0; k < kn; k++) acc[k][r] = _mm512_fmadd_ps(v, xv[k], acc[k][r]);
                         }
                     }
@@ -114,14 +150,44 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
 #endif
 }
 
+/* W rows of tile rows [tr0, tr1) -> fp32, row-major [tr*32, tc*32] (for matrix products: prefill). */
+void bfp_to_f32(const uint8_t *tiles, int tr, int tc, int m, float *out, int tr0, int tr1) {
+    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
+    const size_t width = (size_t)tc * 32;
+    float sc[256];
+    scales(m, sc);
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
+    for (int ti = tr0; ti < tr1; ti++) {
+        float v[16];
+        for (int tj = 0; tj < tc; tj++) {
+            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+            for (int f = 0; f < 4; f++) {
+                const uint8_t *d = t + 64 + f * fb;
+                for (int r = 0; r < 16; r++) {
+                    float *o = out + ((size_t)ti * 32 + (f >> 1) * 16 + r) * width + tj * 32 + (f & 1) * 16;
+                    float s = sc[t[16 * f + r]];
+#ifdef __AVX512F__
+                    _mm512_storeu_ps(o, _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(s)));
+#else
+                    decode_row(d + r * rb, m, v);
+                    for (int c = 0; c < 16; c++) o[c] = v[c] * s;
+#endif
+                }
+            }
+        }
+    }
+}
+
 /* W rows of tile rows [tr0, tr1) -> bfloat16 bits, row-major [tr*32, tc*32] (exact for normal values: q has at most
  * 7 significant bits). */
 void bfp_to_bf16(const uint8_t *tiles, int tr, int tc, int m, uint16_t *out, int tr0, int tr1) {
     const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
     const size_t width = (size_t)tc * 32;
-    float sc[256], v[16];
+    float sc[256];
     scales(m, sc);
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
     for (int ti = tr0; ti < tr1; ti++) {
+        float v[16];
         for (int tj = 0; tj < tc; tj++) {
             const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
             for (int f = 0; f < 4; f++) {

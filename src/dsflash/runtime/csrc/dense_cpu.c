@@ -5,6 +5,8 @@
  * y[k, o] = sum_i W[o, i] x[k, i] for rows [r0, r1); x [nx, I], y [nx, O]. Built like bfp_cpu.c. */
 #include <stdint.h>
 #include <string.h>
+
+#define PARALLEL_ELEMENTS (1 << 18) /* smaller matrices run on one thread */
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -35,48 +37,64 @@ static inline void e4m3x32(const uint8_t *p, __m512 *lo, __m512 *hi) {
 }
 #endif
 
+#ifdef __AVX512F__
+/* one row of W against nx <= 2 vectors; the block scale is folded into the decoded weights (exact: a power of
+ * two), and two accumulators per vector keep the FMA chain from stalling */
+static inline void fp8_row(const uint8_t *row, const float *sr, int I, int B, const float *x0, const float *x1,
+                           int two, float *out0, float *out1) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    for (int j = 0, c = 0; c < I; j++) {
+        __m512 s = _mm512_set1_ps(sr[j]);
+        for (int end = c + B; c < end; c += 32) {
+            __m512 lo, hi;
+            e4m3x32(row + c, &lo, &hi);
+            lo = _mm512_mul_ps(lo, s);
+            hi = _mm512_mul_ps(hi, s);
+            a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x0 + c), a0);
+            a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x0 + c + 16), a1);
+            if (two) {
+                b0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x1 + c), b0);
+                b1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x1 + c + 16), b1);
+            }
+        }
+    }
+    *out0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    if (two) *out1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+}
+#endif
+
 /* fp32 scale per block, pre-multiplied by 2^8 for the vector decode above */
 void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int nx, float *y, int r0,
               int r1) {
     const int nbc = (I + B - 1) / B;
+#pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
     for (int o = r0; o < r1; o++) {
         const uint8_t *row = w + (size_t)o * I;
         const float *sr = scale + (size_t)(o / B) * nbc;
         for (int k0 = 0; k0 < nx; k0 += 2) {
-            int kn = nx - k0 < 2 ? nx - k0 : 2;
-            const float *x0 = x + (size_t)k0 * I, *x1 = x0 + (kn > 1 ? I : 0);
+            int two = nx - k0 > 1;
+            const float *x0 = x + (size_t)k0 * I, *x1 = x0 + (two ? I : 0);
             float acc0 = 0, acc1 = 0;
-            int c = 0;
 #ifdef __AVX512F__
-            if (B % 32 == 0) {
-                __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(),
-                       b1 = _mm512_setzero_ps();
-                for (; c + 32 <= I; c += 32) {
-                    __m512 lo, hi, s = _mm512_set1_ps(sr[c / B]);
-                    e4m3x32(row + c, &lo, &hi);
-                    lo = _mm512_mul_ps(lo, s);
-                    hi = _mm512_mul_ps(hi, s);
-                    a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x0 + c), a0);
-                    a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x0 + c + 16), a1);
-                    b0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x1 + c), b0);
-                    b1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x1 + c + 16), b1);
-                }
-                acc0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-                acc1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
-            }
+            if (B % 32 == 0 && I % B == 0) {
+                fp8_row(row, sr, I, B, x0, x1, two, &acc0, &acc1);
+            } else
 #endif
-            for (; c < I; c++) {
-                float v = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
-                acc0 += v * x0[c];
-                acc1 += v * x1[c];
+            {
+                for (int c = 0; c < I; c++) {
+                    float v = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
+                    acc0 += v * x0[c];
+                    acc1 += v * x1[c];
+                }
             }
             y[(size_t)k0 * O + o] = acc0;
-            if (kn > 1) y[(size_t)(k0 + 1) * O + o] = acc1;
+            if (two) y[(size_t)(k0 + 1) * O + o] = acc1;
         }
     }
 }
 
 void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y, int r0, int r1) {
+#pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
     for (int o = r0; o < r1; o++) {
         const uint16_t *row = w + (size_t)o * I;
         for (int k0 = 0; k0 < nx; k0 += 2) {
@@ -93,8 +111,10 @@ void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y
                 __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
                 a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x0 + c), a0);
                 a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x0 + c + 16), a1);
-                b0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x1 + c), b0);
-                b1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x1 + c + 16), b1);
+                if (kn > 1) {
+                    b0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x1 + c), b0);
+                    b1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x1 + c + 16), b1);
+                }
             }
             acc0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
             acc1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
@@ -106,6 +126,66 @@ void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y
             }
             y[(size_t)k0 * O + o] = acc0;
             if (kn > 1) y[(size_t)(k0 + 1) * O + o] = acc1;
+        }
+    }
+}
+
+/* FP8 rows [r0, r1) -> fp32 [O, I] with the block scales applied (for matrix products: prefill). */
+void fp8_to_f32(const uint8_t *w, const float *scale, int O, int I, int B, float *out, int r0, int r1) {
+    const int nbc = (I + B - 1) / B;
+#pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
+    for (int o = r0; o < r1; o++) {
+        const uint8_t *row = w + (size_t)o * I;
+        const float *sr = scale + (size_t)(o / B) * nbc;
+        float *dst = out + (size_t)o * I;
+        int c = 0;
+#ifdef __AVX512F__
+        if (B % 32 == 0 && I % B == 0) {
+            for (int j = 0; c < I; j++) {
+                __m512 s = _mm512_set1_ps(sr[j]);
+                for (int end = c + B; c < end; c += 32) {
+                    __m512 lo, hi;
+                    e4m3x32(row + c, &lo, &hi);
+                    _mm512_storeu_ps(dst + c, _mm512_mul_ps(lo, s));
+                    _mm512_storeu_ps(dst + c + 16, _mm512_mul_ps(hi, s));
+                }
+            }
+        }
+#endif
+        for (; c < I; c++) dst[c] = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
+    }
+}
+
+/* FP8 rows [r0, r1) -> bfloat16 bits [O, I] with the block scales applied: exact, an FP8 value times a power of two
+ * has at most 4 significant bits (for bf16 matrix products: prefill). */
+void fp8_to_bf16(const uint8_t *w, const float *scale, int O, int I, int B, uint16_t *out, int r0, int r1) {
+    const int nbc = (I + B - 1) / B;
+#pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
+    for (int o = r0; o < r1; o++) {
+        const uint8_t *row = w + (size_t)o * I;
+        const float *sr = scale + (size_t)(o / B) * nbc;
+        uint16_t *dst = out + (size_t)o * I;
+        int c = 0;
+#ifdef __AVX512F__
+        if (B % 32 == 0 && I % B == 0) {
+            for (int j = 0; c < I; j++) {
+                __m512 s = _mm512_set1_ps(sr[j]);
+                for (int end = c + B; c < end; c += 32) {
+                    __m512 lo, hi;
+                    e4m3x32(row + c, &lo, &hi);
+                    __m512i a = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(lo, s)), 16);
+                    __m512i b = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(hi, s)), 16);
+                    _mm256_storeu_si256((__m256i *)(dst + c), _mm512_cvtepi32_epi16(a));
+                    _mm256_storeu_si256((__m256i *)(dst + c + 16), _mm512_cvtepi32_epi16(b));
+                }
+            }
+        }
+#endif
+        for (; c < I; c++) {
+            float v = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
+            uint32_t bits;
+            memcpy(&bits, &v, 4);
+            dst[c] = (uint16_t)(bits >> 16);
         }
     }
 }
