@@ -24,16 +24,21 @@ def real_width_config(layers: int, experts: int) -> dict:
     raw.pop("vision_config", None)
     raw.pop("image_token_id", None)
     t = raw["text_config"]
-    ratios = [0, 0] + [2] * max(1, (layers - 2) // 2) + [1] * (layers - 2 - max(1, (layers - 2) // 2))
-    ratio1 = ratios.index(1)
+    if layers >= 4:
+        n2 = (layers - 2) // 2
+        ratios = [0, 0] + [2] * n2 + [1] * (layers - 2 - n2)
+    else:  # too few blocks for a window-only head: keep one ratio-2 and one ratio-1 source
+        ratios = [0] * (layers - 2) + [2, 1]
+    ratio2, ratio1 = ratios.index(2), ratios.index(1)
     t.update(
         num_hidden_layers=layers,
         n_routed_experts=experts,
         compress_ratios=ratios,
-        kv_source_layer_ids=[2, ratio1],
-        index_source_layer_ids=[2, ratio1],
+        kv_source_layer_ids=[ratio2, ratio1],
+        index_source_layer_ids=[ratio2, ratio1],
         candidate_source_layer_id=ratio1,
-        engram_layer_ids=[1, layers - 1],
+        engram_layer_ids=(engram := sorted({1, layers - 1})),
+        engram_num_embeddings=[0] * len(engram),  # placeholder: set from the primes below
         engram_vocab_size=1000,  # small tables: the benchmark is about the backbone, not 200 GB of Engram rows
         num_nextn_predict_layers=0,
         dspark_block_size=0,
