@@ -20,12 +20,13 @@ ALLOWED = {
     "service": {"runtime", "text", "model", "checkpoint", "store", "formats", "config", "errors"},
     "server": {"service", "text", "config", "errors"},
     "bench": {"text", "errors"},
+    "sim": {"errors"},
     "gates": {"model", "checkpoint", "runtime", "service", "text", "formats", "config", "errors"},
     "cli": None,  # anything
     "__init__": set(),
     "__main__": {"cli"},
 }
-NO_TORCH = {"text", "bench", "errors", "config", "__init__"}
+NO_TORCH = {"text", "bench", "sim", "errors", "config", "__init__"}
 
 
 def _modules():

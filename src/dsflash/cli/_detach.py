@@ -29,6 +29,7 @@ def child_argv(args) -> list[str]:
         ("--cache-dir", args.cache_dir),
         ("--default-chat-template-kwargs", args.default_chat_template_kwargs),
         ("--shutdown-grace", args.shutdown_grace),
+        ("--record-routing", os.path.abspath(args.record_routing) if args.record_routing else None),
     ):
         if value is not None:
             argv += [flag, str(value)]

@@ -71,6 +71,13 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--shutdown-grace", type=float, default=5.0, help="seconds a running request may finish after SIGTERM"
     )
+    p.add_argument(
+        "--record-routing",
+        default=None,
+        metavar="FILE",
+        help="append the expert routing of every MoE call to FILE (JSON lines; engine backend) for "
+        "`dsflash simulate --trace FILE`",
+    )
     p.add_argument("--detach", action="store_true", help="boot in the background, print the ready card, return")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_log", default=None, help=argparse.SUPPRESS)
@@ -126,6 +133,7 @@ class _Serve:
             max_queue=args.max_queue,
             max_model_len=args.max_model_len,
             cache_dir=args.cache_dir,
+            record_routing=os.path.abspath(args.record_routing) if args.record_routing else None,
         )
         self.backend = make_backend(self.opts)  # a flag the backend cannot honour fails before anything starts
 

@@ -29,6 +29,7 @@ class BootOptions:
     cache_dir: str | None = None
     prefill_chunk: int = 512
     threads: int | None = None  # torch intra-op threads; None: chosen by the backend
+    record_routing: str | None = None  # engine: append every MoE call's routing to this JSON-lines file
 
 
 @dataclass
@@ -116,6 +117,8 @@ class ReferenceBackend:
     def __init__(self, opts: BootOptions):
         if opts.tp != 1:
             raise ConfigError(f"--tp {opts.tp}: the reference backend runs in one CPU process; use --tp 1")
+        if opts.record_routing:
+            raise ConfigError("--record-routing needs the engine backend (it records the expert slot path)")
         self.opts = opts
         self.loaded = None
         self._runner = None
@@ -177,6 +180,7 @@ class EngineBackend:
             expert_format=self.opts.expert_format,
             cache_dir=str(cache),
             threads=_threads(self.opts, files),
+            record_routing=self.opts.record_routing,
         )
         cfg = files.ckpt.config
         # one call builds every rank: its dense shard, its store shard's slot pool, its decode state

@@ -1,0 +1,91 @@
+"""Run workloads through a box under policies the way `vllm bench serve` measures them: one untimed test request
+(vLLM's initial single-prompt run), then `prompts` timed ones, one at a time; TTFT and TPOT are their means."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dsflash.sim.box import Box, Locality, Policy, Workload
+from dsflash.sim.model import Machine, RequestResult
+from dsflash.sim.traces import RequestTrace, SyntheticRouting
+
+
+@dataclass(frozen=True)
+class Result:
+    workload: str
+    policy: str
+    ttft: float  # seconds, mean over the timed requests
+    tpot: float  # seconds, mean over the timed requests
+    decode_hit: float  # slot hit rate over decode steps
+    prefill_passes: float  # expert copies in prefill / (layers * experts): full passes over the experts
+    cold_share: float  # share of copies whose expert was not in the host page cache
+
+    @property
+    def decode_tok_s(self) -> float:
+        return 1.0 / self.tpot if self.tpot > 0 else float("inf")
+
+
+class Simulator:
+    """Synthetic traces (cached per workload and request index, shared by every policy) or recorded requests."""
+
+    def __init__(self, box: Box, locality: Locality, prompts: int = 2, recorded: list[RequestTrace] | None = None,
+                 header: dict | None = None):  # fmt: skip
+        self.box, self.locality, self.prompts = box, locality, prompts
+        self.recorded = recorded
+        if recorded is not None:
+            self.layers, self.experts = len(header["layers"]), int(header["experts"])
+            self.hot_order = _observed_hot_order(recorded, self.layers, self.experts)
+            self.routing = None
+        else:
+            self.layers, self.experts = box.layers, box.experts
+            self.routing = SyntheticRouting(box.layers, box.experts, box.top_k, locality)
+            self.hot_order = self.routing.hot_order()
+        self._traces: dict[tuple, RequestTrace] = {}
+
+    def requests(self, wl: Workload | None) -> list[RequestTrace]:
+        """The untimed test request first, then the timed ones."""
+        if self.recorded is not None:
+            return self.recorded
+        out = []
+        for i in range(self.prompts + 1):
+            key = (wl.input_len, wl.output_len, i)
+            if key not in self._traces:
+                self._traces[key] = self.routing.request(wl.input_len, wl.output_len, index=i)
+            out.append(self._traces[key])
+        return out
+
+    def run(self, policy: Policy, wl: Workload | None, box: Box | None = None) -> Result:
+        box = box or self.box
+        m = Machine(box, policy, self.hot_order, self.experts, seed=self.locality.seed)
+        reqs = self.requests(wl)
+        timed = reqs[1:] if len(reqs) > 1 else reqs
+        if len(reqs) > 1:
+            m.run(reqs[0])
+        results = [m.run(r) for r in timed]
+        return _summarize(wl.name if wl else "recorded", policy.label(), results, self.layers * self.experts)
+
+
+def _summarize(name: str, label: str, rs: list[RequestResult], n_experts: int) -> Result:
+    tpots = [np.mean(r.tpots) for r in rs if r.tpots]
+    acc = sum(r.decode_accesses for r in rs)
+    copies = sum(r.prefill_misses + r.decode_misses + r.prefetched for r in rs)
+    return Result(
+        name,
+        label,
+        ttft=float(np.mean([r.ttft for r in rs])),
+        tpot=float(np.mean(tpots)) if tpots else 0.0,
+        decode_hit=1 - sum(r.decode_misses for r in rs) / acc if acc else float("nan"),
+        prefill_passes=sum(r.prefill_misses for r in rs) / len(rs) / n_experts,
+        cold_share=sum(r.cold_reads for r in rs) / copies if copies else 0.0,
+    )
+
+
+def _observed_hot_order(reqs: list[RequestTrace], layers: int, experts: int) -> np.ndarray:
+    counts = np.zeros(layers * experts)
+    for r in reqs:
+        for s in r.recorded:
+            for l, ids in enumerate(s.routing):
+                np.add.at(counts, ids.astype(np.int64) + l * experts, 1)
+    return np.argsort(-counts, kind="stable")

@@ -1,0 +1,137 @@
+"""The simulator's traces, step-time rules and calibration against the reference box."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dsflash.bench.datasets import PRESETS
+from dsflash.errors import ConfigError
+from dsflash.sim.box import BASELINE, MEASURED, REFERENCE, REFERENCE_LOCALITY, WORKLOADS, Box, Locality, Policy
+from dsflash.sim.model import Machine
+from dsflash.sim.run import Simulator
+from dsflash.sim.traces import RequestTrace, SyntheticRouting, draw_without_replacement, load_recorded
+
+
+def test_workloads_match_the_bench_presets():
+    for name, wl in WORKLOADS.items():
+        p = PRESETS[name]
+        assert (wl.input_len, wl.output_len, wl.profile, wl.context) == (p.input_len, p.output_len, p.profile,
+                                                                          p.context)  # fmt: skip
+    assert set(MEASURED) == set(WORKLOADS)
+
+
+def test_draws_without_replacement_follow_the_weights():
+    rng = np.random.default_rng(0)
+    w = np.array([0.5, 0.3, 0.15, 0.05])
+    ids = draw_without_replacement(rng, w, 40000, 1)
+    assert np.allclose(np.bincount(ids[:, 0], minlength=4) / 40000, w, atol=0.01)
+    two = draw_without_replacement(rng, w, 40000, 2)
+    assert (two[:, 0] != two[:, 1]).all()
+    # P(first two are {0, 1}) under sequential draws: .5*.3/.5 + .3*.5/.7
+    pair = ((np.sort(two, axis=1) == [0, 1]).all(axis=1)).mean()
+    assert pair == pytest.approx(0.5 * 0.3 / 0.5 + 0.3 * 0.5 / 0.7, abs=0.01)
+
+
+def test_synthetic_requests_are_reproducible_and_local():
+    r = SyntheticRouting(4, 64, 6, Locality(zipf=1.2, request_sigma=1.0, reuse=0.5, seed=3))
+    a, b, c = r.request(50, 10, index=0), r.request(50, 10, index=0), r.request(50, 10, index=1)
+    assert a.ids.shape == (60, 4, 6) and (a.ids == b.ids).all() and not (a.ids == c.ids).all()
+    same = np.mean([(a.ids[t, l] == a.ids[t - 1, l]).all() for t in range(1, 60) for l in range(4)])
+    assert 0.35 < same < 0.65  # temporal reuse 0.5
+    hot = r.hot_order()
+    assert r.global_weights.ravel()[hot[0]] == r.global_weights.max()
+
+
+def steps_of(prompt, output, layers=2):
+    """A trace where token t uses experts {t % 4, 4 + t % 4} at every layer."""
+    ids = np.array([[[t % 4, 4 + t % 4]] * layers for t in range(prompt + output)], dtype=np.int16)
+    return RequestTrace(prompt, output, ids=ids)
+
+
+def test_serial_step_times_are_the_sum_of_their_parts():
+    box = Box(layers=2, experts=8, top_k=2, slots=16, chips=4, floor=0.1, layer_sync=0.01, token_compute=0.001,
+              prefill_chunk=4, page_cache=1e12)  # fmt: skip
+    trace = steps_of(4, 3)
+    m = Machine(box, BASELINE, np.arange(16), experts=8)
+    r = m.run(trace)
+    # prefill: one chunk of 4 tokens touches all 8 experts of both layers: 16 copies, cold page cache is warm
+    assert r.prefill_misses == 16
+    assert r.ttft == pytest.approx(0.1 + 2 * 0.01 + 4 * 0.001 + 16 * box.miss_time)
+    # decode: two steps, every expert already resident
+    assert r.tpots == pytest.approx([0.1 + 2 * 0.01] * 2)
+    assert r.decode_misses == 0
+
+
+def test_overlap_and_prefetch_never_slow_a_step_down():
+    sim = Simulator(REFERENCE, REFERENCE_LOCALITY, prompts=1)
+    wl = WORKLOADS["chat"].scaled(0.5)
+    base = sim.run(BASELINE, wl)
+    over = sim.run(Policy(overlap=True), wl)
+    pre = sim.run(Policy(overlap=True, prefetch=True), wl)
+    tm = sim.run(Policy(expert_major=False), wl)
+    assert over.tpot < base.tpot and over.ttft <= base.ttft
+    assert pre.tpot <= over.tpot * 1.02
+    assert tm.ttft > 3 * base.ttft  # token by token, every prompt token pays a decode step
+
+
+def test_calibration_short_rows():
+    """chat and codegen within 25% of the box (the full table: DSFLASH_SLOW=1)."""
+    sim = Simulator(REFERENCE, REFERENCE_LOCALITY, prompts=2)
+    for name in ("chat", "codegen"):
+        r, m = sim.run(BASELINE, WORKLOADS[name]), MEASURED[name]
+        assert 0.75 < r.ttft / m.ttft < 1.25, (name, r.ttft)
+        assert 0.75 < r.decode_tok_s / m.decode < 1.25, (name, r.decode_tok_s)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DSFLASH_SLOW"), reason="set DSFLASH_SLOW=1 (about 20 s)")
+def test_calibration_full_table():
+    sim = Simulator(REFERENCE, REFERENCE_LOCALITY, prompts=2)
+    for name, wl in WORKLOADS.items():
+        r, m = sim.run(BASELINE, wl), MEASURED[name]
+        assert 0.75 < r.ttft / m.ttft < 1.25, (name, r.ttft)
+        assert 0.75 < r.decode_tok_s / m.decode < 1.25, (name, r.decode_tok_s)
+
+
+def write_trace(path):
+    lines = [
+        {"header": {"layers": [0, 1], "experts": 4, "top_k": 2}},
+        {"kind": "prefill", "pos": 0, "n": 2, "layers": [[0, [0, 1], [1, 1]], [1, [2, 3], [1, 1]]]},
+        {"event": "reset"},
+        {"kind": "prefill", "pos": 0, "n": 3, "layers": [[0, [0, 1, 2], [2, 2, 2]], [1, [1, 3], [3, 3]]]},
+        {"kind": "decode", "pos": 3, "n": 1, "layers": [[0, [0, 1], [1, 1]], [1, [2, 3], [1, 1]]]},
+        {"kind": "decode", "pos": 4, "n": 1, "layers": [[0, [0, 2], [1, 1]], [1, [0, 3], [1, 1]]]},
+        {"event": "reset"},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_recorded_trace(tmp_path):
+    path = tmp_path / "routing.jsonl"
+    write_trace(path)
+    reqs, header = load_recorded(path)
+    assert header["experts"] == 4 and [(r.prompt_len, r.output_len) for r in reqs] == [(2, 1), (3, 3)]
+    assert reqs[1].recorded[0].routing[1].tolist() == [1, 1, 1, 3, 3, 3]
+    token_major = list(reqs[1].steps(chunk=128, expert_major=False))
+    assert [s.n for s in token_major] == [1, 1, 1, 1, 1]
+    sim = Simulator(REFERENCE.with_(slots=4), REFERENCE_LOCALITY, recorded=reqs, header=header)
+    r = sim.run(BASELINE, None)
+    assert r.ttft > 0 and r.tpot > 0 and 0 <= r.decode_hit <= 1
+    (tmp_path / "bad.jsonl").write_text('{"kind": "decode"}\n')
+    with pytest.raises(ConfigError, match="header"):
+        load_recorded(tmp_path / "bad.jsonl")
+
+
+def test_simulate_cli_on_a_recorded_trace(tmp_path):
+    path = tmp_path / "routing.jsonl"
+    write_trace(path)
+    p = subprocess.run([sys.executable, "-m", "dsflash", "simulate", "--trace", str(path), "--slots", "4",
+                        "--json", str(tmp_path / "o.json")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert "| LFU replacement |" in p.stdout
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert len(data["what_if"]) >= 8 and data["box"]["slots"] == 4
