@@ -21,9 +21,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _models import CACHE, TINY, generated, real_width_config  # noqa: E402
+from _common import CACHE, TINY, generated, memcpy_gbps, real_width_config  # noqa: E402
 from dsflash.checkpoint.index import Checkpoint  # noqa: E402
-from dsflash.gates.reference import reference_forward, runner_forward  # noqa: E402
 from dsflash.runtime.loader import load_reference  # noqa: E402
 from dsflash.runtime.rank import EngineOptions  # noqa: E402
 from dsflash.runtime.workers import TPRunner  # noqa: E402
@@ -32,35 +31,33 @@ from dsflash.text.token_map import compressed_token_map  # noqa: E402
 from dsflash.text.tokenizer import Tokenizer  # noqa: E402
 
 
-def memcpy_gbps(nbytes: int = 1 << 30, reps: int = 5) -> float:
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return nbytes / min(times) / 1e9
-
-
-def time_forward(forward, prompt: list[int], steps: int) -> tuple[float, float]:
-    """(TTFT seconds of a prompt prefill, seconds per decode step) with greedy feeding; forward is a
-    runtime.scoring.Forward."""
+def time_forward(reset, step, prompt: list[int], steps: int) -> tuple[float, float]:
+    """(TTFT seconds of a prompt prefill, seconds per decode step) with greedy feeding, after a short warm-up.
+    step(tokens, start_pos) -> the last position's logits [V] (generation needs no other)."""
+    reset()
+    step(prompt[:8], 0)  # first calls pay for allocator growth and kernel loading
+    reset()
     t = time.perf_counter()
-    logits = forward(torch.tensor([prompt]), 0, True)[0]
+    token, pos = int(step(prompt, 0).argmax()), len(prompt)
     ttft = time.perf_counter() - t
-    token, pos = int(logits[-1].argmax()), len(prompt)
     t = time.perf_counter()
     for _ in range(steps):
-        logits = forward(torch.tensor([[token]]), pos, False)[0]
-        token, pos = int(logits[-1].argmax()), pos + 1
+        token, pos = int(step([token], pos).argmax()), pos + 1
     return ttft, (time.perf_counter() - t) / steps
 
 
 def dense_bytes(model) -> int:
-    """Bytes of every dense weight a decode step reads (all parameters and the Engram rows it gathers)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the dense weights a decode step reads: every parameter but the embeddings (one row is gathered)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.endswith("embed.weight"))
+
+
+def time_reference(ref, max_len: int, prompt: list[int], steps: int) -> tuple[float, float, int]:
+    state = ref.model.new_state(max_len)
+
+    def step(ids: list[int], pos: int) -> torch.Tensor:
+        return ref.model(torch.tensor([ids]), pos, state, ref.experts, last_only=True)[0, -1]
+
+    return (*time_forward(state.reset, step, prompt, steps), dense_bytes(ref.model))
 
 
 def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, threads: int) -> dict:
@@ -77,8 +74,7 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
     ref = load_reference(
         ckpt, token_map, qat=False, dspark=False, expert_dtype=torch.bfloat16 if wide else torch.float32
     )
-    ref_ttft, ref_step = time_forward(reference_forward(ref, max_len), prompt, steps)
-    ref_bytes = dense_bytes(ref.model)
+    ref_ttft, ref_step, ref_bytes = time_reference(ref, max_len, prompt, steps)
     del ref
     gc.collect()
 
@@ -88,8 +84,10 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
     store_s = time.perf_counter() - t
     opts = EngineOptions(str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads)
     runner = TPRunner(opts, 1, token_map, cfg.vocab_size)
+    runner.reset()
+    runner.forward(prompt[:8], 0, False)  # warm-up, left out of the counters below
     before = dict(runner.counters())
-    eng_ttft, eng_step = time_forward(runner_forward(runner), prompt, steps)
+    eng_ttft, eng_step = time_forward(runner.reset, lambda ids, pos: runner.forward(ids, pos, False)[-1], prompt, steps)
     c = runner.counters()
     shard = runner.rank0.experts.layout.nbytes
     routed = sum(s.n_active for s in cfg.layers() if not s.is_dspark)

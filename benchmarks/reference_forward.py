@@ -20,20 +20,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _models import TINY, generated, real_width_config  # noqa: E402
+from _common import TINY, generated, memcpy_gbps, real_width_config  # noqa: E402
 from dsflash.checkpoint.index import Checkpoint  # noqa: E402
 from dsflash.gates.reference import reference_forward  # noqa: E402
 from dsflash.runtime.loader import load_reference  # noqa: E402
 from dsflash.text.token_map import compressed_token_map  # noqa: E402
 from dsflash.text.tokenizer import Tokenizer  # noqa: E402
-
-
-def memcpy_gbps(nbytes: int = 1 << 30) -> float:
-    src, dst = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)
-    t = time.perf_counter()
-    np.copyto(dst, src)
-    return nbytes / (time.perf_counter() - t) / 1e9
 
 
 def gemm_gflops(m: int, k: int, n: int) -> float:
@@ -62,13 +54,12 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int) -> dict:
         token = int(forward(torch.tensor([[token]]), pos, False)[0, -1].argmax())
         pos += 1
     step_s = (time.perf_counter() - t) / steps
-    weights = sum(p.numel() * p.element_size() for p in ref.model.parameters())
-    weights += sum(w.numel() * w.element_size() for ws in ref.experts.weights.values() for w in ws) * (
-        cfg.num_experts_per_tok / cfg.n_routed_experts
-    )
-    params = sum(p.numel() for p in ref.model.parameters()) + sum(
-        w.numel() for ws in ref.experts.weights.values() for w in ws
-    ) * (cfg.num_experts_per_tok / cfg.n_routed_experts)
+    # what one token touches: every dense matrix but the embedding (one row is gathered), and the routed share
+    dense = [p for n, p in ref.model.named_parameters() if not n.endswith("embed.weight")]
+    routed = cfg.num_experts_per_tok / cfg.n_routed_experts
+    expert_w = [w for ws in ref.experts.weights.values() for w in ws]
+    weights = sum(p.numel() * p.element_size() for p in dense) + routed * sum(w.numel() * 4 for w in expert_w)
+    params = sum(p.numel() for p in dense) + routed * sum(w.numel() for w in expert_w)
     return {
         "model": name,
         "threads": torch.get_num_threads(),

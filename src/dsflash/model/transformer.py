@@ -58,8 +58,10 @@ class Transformer(nn.Module):
         experts: ExpertBackend,
         trace: dict | None = None,
         taps: bool = False,
+        last_only: bool = False,
     ):
-        """tokens [b, s] at positions start_pos.. -> fp32 logits [b, s, V] (and DSpark taps [b, s, n*d])."""
+        """tokens [b, s] at positions start_pos.. -> fp32 logits [b, s, V] ([b, 1, V] with last_only: generation
+        needs only the next token, and the head is the largest matrix) and DSpark taps [b, s, n*d]."""
         self.check_input(tokens, start_pos, state)
         b, s = tokens.shape
         step = Step(
@@ -83,7 +85,7 @@ class Transformer(nn.Module):
         y = mhc.collapse(x, pre_mix)
         if trace is not None:
             trace["final_hidden"] = y
-        logits = self.head(self.norm(y))
+        logits = self.head(self.norm(y[:, -1:] if last_only else y))
         state.length = step.end
         if taps:
             return logits, torch.cat(tapped, dim=-1) if tapped else None

@@ -20,7 +20,7 @@ from dsflash.runtime import native
 
 # rows of x at or below which the expert runs as fused GEMVs on the packed tiles (decode); above it the tiles are
 # expanded to bf16 once and multiplied as matrices (prefill, expert-major: many tokens per expert)
-GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)

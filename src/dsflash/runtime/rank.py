@@ -77,13 +77,13 @@ class RankRuntime:
         if self.routing_log is not None:
             self.routing_log.reset()
 
-    def forward(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """tokens [1, s] -> fp32 logits [1, s, V] (every rank gets the gathered logits)."""
+    def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+        """tokens [1, s] -> fp32 logits [1, s, V], or [1, 1, V] with last_only (every rank gets them gathered)."""
         if self.routing_log is None:
-            return self.model(tokens, start_pos, self.state, self.experts)
+            return self.model(tokens, start_pos, self.state, self.experts, last_only=last_only)
         self.routing_log.begin(start_pos, tokens.shape[1])
         try:
-            return self.model(tokens, start_pos, self.state, self.experts)
+            return self.model(tokens, start_pos, self.state, self.experts, last_only=last_only)
         finally:
             self.routing_log.end()
 

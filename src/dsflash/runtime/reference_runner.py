@@ -18,8 +18,7 @@ class ModelRunner:
         self.state.reset()
 
     def forward(self, tokens: list[int], start_pos: int, all_logits: bool) -> torch.Tensor:
-        logits = self.model(torch.tensor([tokens]), start_pos, self.state, self.experts)[0]
-        return logits if all_logits else logits[-1:]
+        return self.model(torch.tensor([tokens]), start_pos, self.state, self.experts, last_only=not all_logits)[0]
 
     def counters(self) -> dict:
         counters = getattr(self.experts, "counters", None)

@@ -25,7 +25,7 @@ from dsflash.runtime.rank import EngineOptions, RankRuntime
 log = logging.getLogger(__name__)
 
 FORWARD, RESET, STOP = 1, 2, 3
-HEADER = 4  # op, start_pos, n tokens, spare
+HEADER = 4  # op, start_pos, n tokens, last position's logits only
 # a collective stuck this long means a peer hangs (a dead peer fails at once: its sockets close)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
@@ -70,7 +70,7 @@ def follow(rt: RankRuntime) -> None:
     header = torch.zeros(HEADER, dtype=torch.int64)
     while True:
         dist.broadcast(header, src=0)
-        op, start_pos, n = (int(v) for v in header[:3])
+        op, start_pos, n, last_only = (int(v) for v in header)
         if op == STOP:
             return
         if op == RESET:
@@ -78,7 +78,7 @@ def follow(rt: RankRuntime) -> None:
         elif op == FORWARD:
             tokens = torch.empty(1, n, dtype=torch.int64)
             dist.broadcast(tokens, src=0)
-            rt.forward(tokens, start_pos)
+            rt.forward(tokens, start_pos, bool(last_only))
 
 
 def check_tp(cfg: ModelConfig, world: int) -> None:
@@ -126,10 +126,10 @@ class TPRunner:
             self._kill()
             raise
 
-    def _step(self, op: int, start_pos: int = 0, n: int = 0) -> None:
+    def _step(self, op: int, start_pos: int = 0, n: int = 0, last_only: bool = False) -> None:
         if self.world == 1:
             return
-        header = torch.tensor([op, start_pos, n, 0], dtype=torch.int64)
+        header = torch.tensor([op, start_pos, n, int(last_only)], dtype=torch.int64)
         try:
             dist.broadcast(header, src=0)
         except RuntimeError as e:
@@ -146,16 +146,16 @@ class TPRunner:
 
     def forward(self, tokens: list[int], start_pos: int, all_logits: bool) -> torch.Tensor:
         t = torch.tensor([tokens], dtype=torch.int64)
-        self._step(FORWARD, start_pos, len(tokens))
+        self._step(FORWARD, start_pos, len(tokens), not all_logits)
         try:
             if self.world > 1:
                 dist.broadcast(t, src=0)
-            logits = self.rank0.forward(t, start_pos)[0]
+            logits = self.rank0.forward(t, start_pos, not all_logits)[0]
         except RuntimeError as e:
             if self.world > 1 and any(not p.is_alive() for p in self.procs):
                 raise self._dead(e) from None
             raise
-        return logits if all_logits else logits[-1:]
+        return logits
 
     def counters(self) -> dict:
         return self.rank0.counters()

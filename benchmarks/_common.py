@@ -1,11 +1,15 @@
-"""Checkpoints the benchmarks run on: the tiny fixture, and generated ones with the real V4.1 widths."""
+"""What the benchmarks share: the checkpoints they run on (the tiny fixture, generated ones with the real V4.1
+widths) and the memcpy baseline."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import time
 from pathlib import Path
+
+import torch
 
 from dsflash.checkpoint.writer import write_checkpoint
 from dsflash.config import ModelConfig
@@ -59,3 +63,16 @@ def generated(name: str, config: dict, seed: int = 0) -> Path:
     write_checkpoint(config, out, seed=seed, shards=2)
     stamp.write_text(json.dumps(config))
     return out
+
+
+def memcpy_gbps(nbytes: int = 1 << 30, reps: int = 3) -> float:
+    """Best of a few copies of a buffer larger than any cache, on torch's threads (bytes copied per second)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
