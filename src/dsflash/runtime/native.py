@@ -21,7 +21,8 @@ import torch
 log = logging.getLogger(__name__)
 
 MBITS = {"bfp4_b": 3, "bfp8_b": 7}
-_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp"]
+_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp")
+GENERIC_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-fopenmp")  # no AVX-512: the portable loops
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
 
@@ -31,15 +32,25 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _compile() -> ctypes.CDLL | bool:
+def _cpu_signature() -> bytes:
+    """What -march=native compiled for: a library built on another CPU must not be loaded here."""
+    try:
+        flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")]
+        return (flags[0] if flags else "").encode()
+    except OSError:
+        return os.uname().machine.encode()
+
+
+def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
+    """Compile csrc/*.c with `flags` (cached by source, compiler, flags and CPU) and load it; None if that fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: the engine's CPU kernels fall back to torch (slower)")
+        return None
     csrc = resources.files("dsflash.runtime") / "csrc"
     names = ("bfp_cpu.c", "dense_cpu.c")
     src = b"".join((csrc / n).read_bytes() for n in names)
-    if cc is None:
-        log.warning("no C compiler found: block-float expert kernels fall back to torch (slower)")
-        return False
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode() + os.uname().machine.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_signature()).hexdigest()[:16]
     out = cache_dir() / f"dsflash_cpu-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -49,21 +60,19 @@ def _compile() -> ctypes.CDLL | bool:
                 (Path(tmp) / n).write_bytes((csrc / n).read_bytes())
                 files.append(str(Path(tmp) / n))
             so = Path(tmp) / out.name
-            res = subprocess.run([cc, *_FLAGS, "-o", str(so), *files, "-lm"], capture_output=True, text=True)
+            res = subprocess.run([cc, *flags, "-o", str(so), *files, "-lm"], capture_output=True, text=True)
             if res.returncode != 0:
-                log.warning("compiling the block-float kernels failed, using torch instead: %s", res.stderr[-500:])
-                return False
+                log.warning("compiling the CPU kernels failed, using torch instead: %s", res.stderr[-500:])
+                return None
             os.replace(so, out)  # atomic: concurrent ranks may compile at once
     import torch  # noqa: F401 - torch's libgomp first: the kernels then join its OpenMP thread team
 
     lib = ctypes.CDLL(str(out))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.bfp_gemv.argtypes = [p, i, i, i, p, i, p, i, i]
-    lib.bfp_to_bf16.argtypes = [p, i, i, i, p, i, i]
-    lib.bfp_to_f32.argtypes = [p, i, i, i, p, i, i]
+    lib.bfp_expand.argtypes = [p, i, i, i, p, i, i, i]
     lib.fp8_gemv.argtypes = [p, p, i, i, i, p, i, p, i, i]
-    lib.fp8_to_f32.argtypes = [p, p, i, i, i, p, i, i]
-    lib.fp8_to_bf16.argtypes = [p, p, i, i, i, p, i, i]
+    lib.fp8_expand.argtypes = [p, p, i, i, i, p, i, i, i]
     lib.bf16_gemv.argtypes = [p, i, i, p, i, p, i, i]
     return lib
 
@@ -72,7 +81,7 @@ def lib() -> ctypes.CDLL | None:
     global _lib
     with _lock:
         if _lib is None:
-            _lib = _compile() if os.environ.get("DSFLASH_NO_NATIVE") != "1" else False
+            _lib = (build() or False) if os.environ.get("DSFLASH_NO_NATIVE") != "1" else False
     return _lib or None
 
 
@@ -125,7 +134,7 @@ def dequant_f32(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: s
         return dequant_bf16(tiles, shape, fmt).float()
     out = scratch((rows, cols), torch.float32)
     tr, tc, m = rows // 32, cols // 32, MBITS[fmt]
-    _split(tr, lambda lo, hi: k.bfp_to_f32(_ptr(tiles), tr, tc, m, out.data_ptr(), lo, hi), rows * cols)
+    _split(tr, lambda lo, hi: k.bfp_expand(_ptr(tiles), tr, tc, m, out.data_ptr(), 0, lo, hi), rows * cols)
     return out
 
 
@@ -140,7 +149,7 @@ def dequant_bf16(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: 
         return torch.from_numpy(bfp.unpack(np.ascontiguousarray(buf), fmt, shape)).bfloat16()
     out = scratch((rows, cols), torch.bfloat16)
     tr, tc, m = rows // 32, cols // 32, MBITS[fmt]
-    _split(tr, lambda lo, hi: k.bfp_to_bf16(_ptr(tiles), tr, tc, m, out.data_ptr(), lo, hi), rows * cols)
+    _split(tr, lambda lo, hi: k.bfp_expand(_ptr(tiles), tr, tc, m, out.data_ptr(), 1, lo, hi), rows * cols)
     return out
 
 
@@ -183,6 +192,10 @@ def fp8_dequant(
         return None
     O, I = w.shape
     out = scratch((O, I), dtype)
-    fn = k.fp8_to_f32 if dtype == torch.float32 else k.fp8_to_bf16
-    _split(O, lambda lo, hi: fn(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), lo, hi), O * I)
+    bf16 = int(dtype == torch.bfloat16)
+    _split(
+        O,
+        lambda lo, hi: k.fp8_expand(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), bf16, lo, hi),
+        O * I,
+    )
     return out

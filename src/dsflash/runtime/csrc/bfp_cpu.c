@@ -150,37 +150,31 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
 #endif
 }
 
-/* W rows of tile rows [tr0, tr1) -> fp32, row-major [tr*32, tc*32] (for matrix products: prefill). */
-void bfp_to_f32(const uint8_t *tiles, int tr, int tc, int m, float *out, int tr0, int tr1) {
-    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
-    const size_t width = (size_t)tc * 32;
-    float sc[256];
-    scales(m, sc);
-#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
-    for (int ti = tr0; ti < tr1; ti++) {
-        float v[16];
-        for (int tj = 0; tj < tc; tj++) {
-            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-            for (int f = 0; f < 4; f++) {
-                const uint8_t *d = t + 64 + f * fb;
-                for (int r = 0; r < 16; r++) {
-                    float *o = out + ((size_t)ti * 32 + (f >> 1) * 16 + r) * width + tj * 32 + (f & 1) * 16;
-                    float s = sc[t[16 * f + r]];
+/* Store one decoded face row (16 values, already scaled) as fp32, or as bfloat16: its top half, exact since q has
+ * at most 7 significant bits and the scale is a power of two. */
 #ifdef __AVX512F__
-                    _mm512_storeu_ps(o, _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(s)));
+static inline void store16(void *out, size_t at, int bf16, __m512 x) {
+    if (bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16)));
+    else
+        _mm512_storeu_ps((float *)out + at, x);
+}
 #else
-                    decode_row(d + r * rb, m, v);
-                    for (int c = 0; c < 16; c++) o[c] = v[c] * s;
-#endif
-                }
-            }
-        }
+static inline void store16(void *out, size_t at, int bf16, const float *v) {
+    for (int c = 0; c < 16; c++) {
+        uint32_t b;
+        memcpy(&b, &v[c], 4);
+        if (bf16)
+            ((uint16_t *)out)[at + c] = (uint16_t)(b >> 16);
+        else
+            ((float *)out)[at + c] = v[c];
     }
 }
+#endif
 
-/* W rows of tile rows [tr0, tr1) -> bfloat16 bits, row-major [tr*32, tc*32] (exact for normal values: q has at most
- * 7 significant bits). */
-void bfp_to_bf16(const uint8_t *tiles, int tr, int tc, int m, uint16_t *out, int tr0, int tr1) {
+/* W rows of tile rows [tr0, tr1) -> row-major [tr*32, tc*32], fp32 or bfloat16 (bf16 != 0), for matrix products. */
+void bfp_expand(const uint8_t *tiles, int tr, int tc, int m, void *out, int bf16, int tr0, int tr1) {
     const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
     const size_t width = (size_t)tc * 32;
     float sc[256];
@@ -188,26 +182,20 @@ void bfp_to_bf16(const uint8_t *tiles, int tr, int tc, int m, uint16_t *out, int
 #pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
     for (int ti = tr0; ti < tr1; ti++) {
         float v[16];
+        (void)v;
         for (int tj = 0; tj < tc; tj++) {
             const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
             for (int f = 0; f < 4; f++) {
                 const uint8_t *d = t + 64 + f * fb;
                 for (int r = 0; r < 16; r++) {
-                    uint16_t *o = out + ((size_t)ti * 32 + (f >> 1) * 16 + r) * width + tj * 32 + (f & 1) * 16;
-                    int e = t[16 * f + r];
+                    size_t at = ((size_t)ti * 32 + (f >> 1) * 16 + r) * width + tj * 32 + (f & 1) * 16;
+                    float s = sc[t[16 * f + r]];
 #ifdef __AVX512F__
-                    __m512 x = _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[e]));
-                    /* the top half of an fp32 whose low 16 bits are zero is its exact bf16 */
-                    __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(x), 16);
-                    _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bits));
+                    store16(out, at, bf16, _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(s)));
 #else
                     decode_row(d + r * rb, m, v);
-                    for (int c = 0; c < 16; c++) {
-                        float x = v[c] * sc[e];
-                        uint32_t b;
-                        memcpy(&b, &x, 4);
-                        o[c] = (uint16_t)(b >> 16);
-                    }
+                    for (int c = 0; c < 16; c++) v[c] *= s;
+                    store16(out, at, bf16, v);
 #endif
                 }
             }

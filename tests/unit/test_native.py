@@ -1,0 +1,52 @@
+"""The engine's native CPU kernels against plain torch, for the AVX-512 build, the portable build and no build."""
+
+import numpy as np
+import pytest
+import torch
+
+from dsflash.formats import bfp, fp8
+from dsflash.runtime import native
+from dsflash.runtime.dense import Bf16Weight, Fp8Weight
+
+
+@pytest.fixture(params=["native", "generic", "none"])
+def kernels(request, monkeypatch):
+    if request.param == "native":
+        lib = native.lib()
+    elif request.param == "generic":
+        lib = native.build(native.GENERIC_FLAGS)
+    else:
+        lib = False  # no compiler: torch fallbacks
+    if lib is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(native, "_lib", lib)
+    return request.param
+
+
+@pytest.mark.parametrize("fmt", ["bfp4_b", "bfp8_b"])
+def test_bfp_gemv_and_expansion(kernels, fmt):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((96, 160)) * 0.05).astype(np.float32)
+    w[3, :16] = 0  # an all-zero face row (exponent 0)
+    tiles = bfp.pack(w, fmt)
+    want = torch.from_numpy(bfp.unpack(tiles, fmt, w.shape))
+    for n in (1, 3, 6):
+        x = torch.randn(n, 160)
+        torch.testing.assert_close(native.gemv(tiles, (96, 160), fmt, x), x @ want.T, atol=1e-5, rtol=1e-5)
+    assert torch.equal(native.dequant_f32(tiles, (96, 160), fmt), want)
+    assert torch.equal(native.dequant_bf16(tiles, (96, 160), fmt).float(), want)
+
+
+def test_fp8_and_bf16_dense(kernels):
+    w = torch.randn(72, 192) * 0.03
+    q, s = fp8.quant_block(w, 32)
+    exact = fp8.dequant_block(q, s, 32)
+    W = Fp8Weight.exact(exact, 32)
+    B = Bf16Weight(exact)
+    for n in (1, 2, 3, 20):  # GEMV for few rows, expansion + BLAS for many
+        x = torch.randn(n, 192)
+        torch.testing.assert_close(W.linear(x), x @ exact.T, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(B.linear(x), x @ exact.T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(W.rows(32, 64).linear(torch.ones(1, 192)), exact[32:64].sum(1)[None], atol=1e-5,
+                               rtol=1e-5)  # fmt: skip
+    assert Fp8Weight.exact(w, 32) is None  # not FP8 values: refused rather than rounded silently
