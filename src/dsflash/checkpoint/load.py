@@ -14,15 +14,13 @@ from dsflash.errors import CheckpointError
 log = logging.getLogger(__name__)
 
 EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
-VISION = re.compile(r"^(vision|aligner|image_start|image_end|image_newline)\b")
-# FP8 tables that stay as stored (zero-copy mmap) and are dequantized row by row on lookup
-RAW = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
 
 
-def load_into(module: nn.Module, ckpt, skip: re.Pattern | None = None) -> None:
-    """Copy every parameter / persistent buffer of `module` from the checkpoint tensor of the same name.
+def load_into(module: nn.Module, ckpt) -> None:
+    """Fill every parameter and buffer of `module` from the checkpoint tensor of the same name.
 
-    Linear weights arrive dequantized (fp32); Engram tables are bound zero-copy in their stored dtype.
+    Parameters arrive dequantized (fp32) and sliced to their TP shard; buffers are what a model keeps as stored
+    (the Engram tables, FP8 looked up row by row) and are bound zero-copy in their stored dtype.
     """
     have = set(ckpt.names())
     missing = []
@@ -35,8 +33,6 @@ def load_into(module: nn.Module, ckpt, skip: re.Pattern | None = None) -> None:
             raise CheckpointError(f"{name}: checkpoint shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
         p.data = t.to(p.dtype)
     for name, _ in module.named_buffers():
-        if not RAW.match(name):
-            continue
         if name not in have:
             missing.append(name)
             continue
@@ -44,7 +40,7 @@ def load_into(module: nn.Module, ckpt, skip: re.Pattern | None = None) -> None:
         setattr(owner, attr, ckpt.raw(name))
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
-    vision = [n for n in have if VISION.match(n)]
+    vision = ckpt.vision_names()
     if vision:
         log.warning("skipping %d vision-tower tensors: images are not supported", len(vision))
 

@@ -1,6 +1,6 @@
 """The engine's CPU kernels (csrc/*.c: block-float experts, FP8 / bf16 dense GEMV): compiled at first use with the
-system C compiler, cached, and called through ctypes (which releases the GIL, so a small thread pool splits the
-rows). Without a compiler the same operations fall back to torch (correct, slower)."""
+system C compiler, cached, and called through ctypes (which releases the GIL); the kernels split their rows over
+torch's OpenMP threads themselves. Without a compiler the same operations fall back to torch (correct, slower)."""
 
 from __future__ import annotations
 
@@ -85,11 +85,6 @@ def lib() -> ctypes.CDLL | None:
     return _lib or None
 
 
-def _split(n: int, work, cost: int) -> None:
-    """work(0, n): the kernels split rows over torch's OpenMP threads themselves."""
-    work(0, n)
-
-
 _scratch = threading.local()
 
 
@@ -118,11 +113,7 @@ def gemv(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: str, x: 
     if k is None:
         return x @ dequant_bf16(tiles, shape, fmt).float().T
     tr, tc, m = rows // 32, cols // 32, MBITS[fmt]
-    _split(
-        tr,
-        lambda lo, hi: k.bfp_gemv(_ptr(tiles), tr, tc, m, x.data_ptr(), x.shape[0], y.data_ptr(), lo, hi),
-        rows * cols,
-    )
+    k.bfp_gemv(_ptr(tiles), tr, tc, m, x.data_ptr(), x.shape[0], y.data_ptr(), 0, tr)
     return y
 
 
@@ -134,7 +125,7 @@ def dequant_f32(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: s
         return dequant_bf16(tiles, shape, fmt).float()
     out = scratch((rows, cols), torch.float32)
     tr, tc, m = rows // 32, cols // 32, MBITS[fmt]
-    _split(tr, lambda lo, hi: k.bfp_expand(_ptr(tiles), tr, tc, m, out.data_ptr(), 0, lo, hi), rows * cols)
+    k.bfp_expand(_ptr(tiles), tr, tc, m, out.data_ptr(), 0, 0, tr)
     return out
 
 
@@ -149,7 +140,7 @@ def dequant_bf16(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: 
         return torch.from_numpy(bfp.unpack(np.ascontiguousarray(buf), fmt, shape)).bfloat16()
     out = scratch((rows, cols), torch.bfloat16)
     tr, tc, m = rows // 32, cols // 32, MBITS[fmt]
-    _split(tr, lambda lo, hi: k.bfp_expand(_ptr(tiles), tr, tc, m, out.data_ptr(), 1, lo, hi), rows * cols)
+    k.bfp_expand(_ptr(tiles), tr, tc, m, out.data_ptr(), 1, 0, tr)
     return out
 
 
@@ -161,13 +152,7 @@ def fp8_gemv(w: torch.Tensor, scale256: torch.Tensor, block: int, x: torch.Tenso
         return None
     (O, I), x = w.shape, x.float().contiguous()
     y = torch.empty(x.shape[0], O, dtype=torch.float32)
-    _split(
-        O,
-        lambda lo, hi: k.fp8_gemv(
-            w.data_ptr(), scale256.data_ptr(), O, I, block, x.data_ptr(), x.shape[0], y.data_ptr(), lo, hi
-        ),
-        O * I,
-    )
+    k.fp8_gemv(w.data_ptr(), scale256.data_ptr(), O, I, block, x.data_ptr(), x.shape[0], y.data_ptr(), 0, O)
     return y
 
 
@@ -178,7 +163,7 @@ def bf16_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         return None
     (O, I), x = w.shape, x.float().contiguous()
     y = torch.empty(x.shape[0], O, dtype=torch.float32)
-    _split(O, lambda lo, hi: k.bf16_gemv(w.data_ptr(), O, I, x.data_ptr(), x.shape[0], y.data_ptr(), lo, hi), O * I)
+    k.bf16_gemv(w.data_ptr(), O, I, x.data_ptr(), x.shape[0], y.data_ptr(), 0, O)
     return y
 
 
@@ -193,9 +178,5 @@ def fp8_dequant(
     O, I = w.shape
     out = scratch((O, I), dtype)
     bf16 = int(dtype == torch.bfloat16)
-    _split(
-        O,
-        lambda lo, hi: k.fp8_expand(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), bf16, lo, hi),
-        O * I,
-    )
+    k.fp8_expand(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), bf16, 0, O)
     return out
