@@ -50,3 +50,25 @@ def test_fp8_and_bf16_dense(kernels):
     torch.testing.assert_close(W.rows(32, 64).linear(torch.ones(1, 192)), exact[32:64].sum(1)[None], atol=1e-5,
                                rtol=1e-5)  # fmt: skip
     assert Fp8Weight.exact(w, 32) is None  # not FP8 values: refused rather than rounded silently
+
+
+def test_decode_gemv_rows_do_not_depend_on_their_neighbours(kernels):
+    """A tensor-parallel shard computes its rows exactly as the whole matrix does: the decode kernels take rows in
+    groups, and a row in a group and the same row alone (a tail, or another shard) must give the same bits."""
+    w = torch.randn(70, 256) * 0.03  # 70 rows: groups of 4 and a tail of 2; 32-row scale blocks
+    q, s = fp8.quant_block(w, 32)
+    exact = fp8.dequant_block(q, s, 32)
+    x = torch.randn(1, 256)
+    whole = Fp8Weight.exact(exact, 32), Bf16Weight(exact)
+    # rows 66..69 on their own are one group; in the whole matrix they straddle a group and the tail
+    parts = Fp8Weight(q[66:70].view(torch.uint8), s[2:3].float(), 32), Bf16Weight(exact[66:70])
+    for W, part in zip(whole, parts, strict=True):
+        y = W.linear(x)
+        torch.testing.assert_close(y, x @ exact.T, atol=1e-5, rtol=1e-5)
+        if kernels == "none":  # the torch fallback's BLAS promises no such thing: fp32 noise only
+            torch.testing.assert_close(part.linear(x), y[:, 66:70], atol=1e-6, rtol=1e-6)
+        else:
+            assert torch.equal(part.linear(x), y[:, 66:70])
+    tiles = bfp.pack(exact[:64].numpy(), "bfp4_b")
+    half = bfp.pack(exact[32:64].numpy(), "bfp4_b")
+    assert torch.equal(native.gemv(tiles, (64, 256), "bfp4_b", x)[:, 32:], native.gemv(half, (32, 256), "bfp4_b", x))

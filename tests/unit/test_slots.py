@@ -43,3 +43,10 @@ def test_same_calls_give_same_slots():
         return out
 
     assert run() == run()
+
+
+def test_forget_frees_the_slot_of_an_expert_that_never_arrived():
+    pool = SlotPool(2)
+    slot, _ = pool.acquire("a")
+    pool.forget("a")  # its copy failed
+    assert "a" not in pool and pool.acquire("b") == (slot, False)

@@ -43,25 +43,39 @@ class CachedExperts:
         for start in range(0, len(experts), self.pool.n_slots):
             wave = experts[start : start + self.pool.n_slots]
             slots = self._acquire(layer, wave)
-            for e, slot in zip(wave, slots, strict=True):
-                tok, k = torch.where(ids == e)
-                y[tok] += self.device.expert(self.slots, slot, self.layout, x[tok], weights[tok, k, None], self.limit)
-            for e in wave:
-                self.pool.release((layer, e))
+            try:
+                for e, slot in zip(wave, slots, strict=True):
+                    tok, k = torch.where(ids == e)
+                    w = weights[tok, k, None]
+                    y[tok] += self.device.expert(self.slots, slot, self.layout, x[tok], w, self.limit)
+            finally:  # a cancelled or failed step leaves no expert pinned
+                for e in wave:
+                    self.pool.release((layer, e))
         return y
 
     def _acquire(self, layer: int, experts: list[int]) -> list[int]:
         got = [self.pool.acquire((layer, e)) for e in experts]
         missing = [(e, slot) for e, (slot, hit) in zip(experts, got, strict=True) if not hit]
-        if missing:
-            t0 = time.perf_counter()
-            fd, ranges = self._fd(layer), [self.store.shard_range(layer, e, self.rank) for e, _ in missing]
-            for _, off, n in ranges:  # start the page-cache reads of all misses before copying the first
-                os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
-            for (_, slot), (_, off, n) in zip(missing, ranges, strict=True):
-                self.device.load(self.slots, slot, fd, off, n)
-                self.bytes_copied += n
-            self.copy_s += time.perf_counter() - t0
+        done = 0
+        try:
+            if missing:
+                t0 = time.perf_counter()
+                fd, ranges = self._fd(layer), [self.store.shard_range(layer, e, self.rank) for e, _ in missing]
+                for _, off, n in ranges:  # start the page-cache reads of all misses before copying the first
+                    os.posix_fadvise(fd, off, n, os.POSIX_FADV_WILLNEED)
+                for (_, slot), (_, off, n) in zip(missing, ranges, strict=True):
+                    self.device.load(self.slots, slot, fd, off, n)
+                    self.bytes_copied += n
+                    done += 1
+                self.copy_s += time.perf_counter() - t0
+        except BaseException:  # unfilled slots hold no expert: nothing may ever read them as a hit
+            unfilled = {(layer, e) for e, _ in missing[done:]}
+            for key in [(layer, e) for e in experts]:
+                if key in unfilled:
+                    self.pool.forget(key)
+                else:
+                    self.pool.release(key)
+            raise
         return [slot for slot, _ in got]
 
     def _fd(self, layer: int) -> int:

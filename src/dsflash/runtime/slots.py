@@ -54,6 +54,13 @@ class SlotPool:
         else:
             del self._pins[key]
 
+    def forget(self, key: Hashable) -> None:
+        """Drop a key whose slot never received its expert (a failed copy): its slot is free again."""
+        slot = self._lru.pop(key, None)
+        self._pins.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
     def _evict(self) -> int:
         for key, slot in self._lru.items():
             if key not in self._pins:

@@ -86,6 +86,65 @@ static void gemv1_avx512(const uint8_t *tiles, int tc, int m, const float *sc, c
 }
 #endif
 
+#ifdef __AVX512F__
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* bfp4_b against one vector, two face rows per step. The 16 code bytes of rows r and r+1 widen to 16 lanes; the
+ * LUT permute reads only an index's low 4 bits, so the low nibbles (even columns) and, after one shift, the high
+ * nibbles (odd columns) decode without masking. x comes pre-split into even and odd columns (xeo: per 16-column
+ * segment, 8 even values twice, then 8 odd values twice), so lanes 0-7 accumulate row r and lanes 8-15 row r+1.
+ * Each face's partial sums take the rows' scales once. About half the instructions of the one-row loop above. */
+static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *xeo, float *y, int tr0, int tr1) {
+    const int tb = tile_bytes(3), fb = face_bytes(3);
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
+    for (int ti = tr0; ti < tr1; ti++) {
+        const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -0.0f, -1, -2, -3, -4, -5, -6, -7);
+        const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m512i e255 = _mm512_set1_epi32(255);
+        const __m512 big = _mm512_set1_ps(0x1p126f), quarter = _mm512_set1_ps(0.25f);
+        for (int h = 0; h < 2; h++) {
+            __m512 acc[8];
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) acc[k] = _mm512_setzero_ps();
+            for (int tj = 0; tj < tc; tj++) {
+                const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+                for (int fc = 0; fc < 2; fc++) {
+                    const int f = 2 * h + fc;
+                    const float *xs = xeo + (size_t)(2 * tj + fc) * 32;
+                    const __m512 xe = _mm512_loadu_ps(xs), xo = _mm512_loadu_ps(xs + 16);
+                    /* 2^(e - 127 - 2) per row as in scales(): e << 23 is 2^(e-127) (0 for e = 0, where every code
+                     * is 0 anyway); e = 255 keeps the table's finite 2^126 */
+                    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 16 * f)));
+                    __m512 sr = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), quarter);
+                    sr = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, e255), sr, big);
+                    const uint8_t *d = t + 64 + f * fb;
+                    __m512i idx = pair0;
+#pragma GCC unroll 8
+                    for (int k = 0; k < 8; k++) {
+                        const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(d + 16 * k)));
+                        const __m512 lo = _mm512_permutexvar_ps(w, lut);
+                        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut);
+                        const __m512 p = _mm512_fmadd_ps(lo, xe, _mm512_mul_ps(hi, xo));
+                        acc[k] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, sr), acc[k]);
+                        idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2));
+                    }
+                }
+            }
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++) {
+                y[ti * 32 + 16 * h + 2 * k] = hsum8(_mm512_castps512_ps256(acc[k]));
+                y[ti * 32 + 16 * h + 2 * k + 1] = hsum8(_mm512_extractf32x8_ps(acc[k], 1));
+            }
+        }
+    }
+}
+
+#endif
+
 /* y[k, o] = sum_i W[o, i] x[k, i] for tile rows [tr0, tr1).
  * tiles: W [tr*32, tc*32] packed; x: [nx, tc*32] fp32; y: [nx, tr*32] fp32. Best for a few vectors (decode). */
 void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int nx, float *y, int tr0, int tr1) {
@@ -94,6 +153,16 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
     float sc[256];
     scales(m, sc);
 #ifdef __AVX512F__
+    if (nx == 1 && m == 3) {
+        float xeo[tc * 64]; /* even / odd columns per 16-column segment, each half duplicated (gemv1_bfp4) */
+        for (int s = 0; s < 2 * tc; s++)
+            for (int j = 0; j < 8; j++) {
+                xeo[s * 32 + j] = xeo[s * 32 + 8 + j] = x[s * 16 + 2 * j];
+                xeo[s * 32 + 16 + j] = xeo[s * 32 + 24 + j] = x[s * 16 + 2 * j + 1];
+            }
+        gemv1_bfp4(tiles, tc, xeo, y, tr0, tr1);
+        return;
+    }
     if (nx == 1) {
         gemv1_avx512(tiles, tc, m, sc, x, y, tr0, tr1);
         return;

@@ -63,10 +63,57 @@ static inline void fp8_row(const uint8_t *row, const float *sr, int I, int B, co
 }
 #endif
 
+#ifdef __AVX512F__
+/* Decode (one vector x): R rows at once share each load of x and give the memory system R streams to fetch.
+ * Sums run per scale block and take the block's scale once (a power of two: the same products, only grouped);
+ * every row goes through the same sequence whatever R, so a row's result never depends on how rows were split. */
+static inline __attribute__((always_inline)) void fp8_rows1(const uint8_t *w, int I, const float *sr, int B,
+                                                             const float *x, float *y, const int R) {
+    __m512 acc[4], p0[4], p1[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int j = 0, c = 0; c < I; j++) {
+        for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_ps();
+        for (int end = c + B; c < end; c += 32) {
+            const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+            for (int r = 0; r < R; r++) {
+                __m512 lo, hi;
+                e4m3x32(w + (size_t)r * I + c, &lo, &hi);
+                p0[r] = _mm512_fmadd_ps(lo, x0, p0[r]);
+                p1[r] = _mm512_fmadd_ps(hi, x1, p1[r]);
+            }
+        }
+        const __m512 s = _mm512_set1_ps(sr[j]);
+        for (int r = 0; r < R; r++) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0[r], p1[r]), s, acc[r]);
+    }
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static void fp8_gemv1(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, float *y, int r0,
+                      int r1) {
+    const int nbc = I / B, groups = (r1 - r0 + 3) / 4;
+#pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
+    for (int g = 0; g < groups; g++) {
+        const int o = r0 + 4 * g;
+        const float *sr = scale + (size_t)(o / B) * nbc;
+        if (o + 4 <= r1 && (o + 3) / B == o / B)
+            fp8_rows1(w + (size_t)o * I, I, sr, B, x, y + o, 4);
+        else
+            for (int k = o; k < r1 && k < o + 4; k++)
+                fp8_rows1(w + (size_t)k * I, I, scale + (size_t)(k / B) * nbc, B, x, y + k, 1);
+    }
+}
+#endif
+
 /* fp32 scale per block, pre-multiplied by 2^8 for the vector decode above */
 void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int nx, float *y, int r0,
               int r1) {
     const int nbc = (I + B - 1) / B;
+#ifdef __AVX512F__
+    if (nx == 1 && B % 32 == 0 && I % B == 0) {
+        fp8_gemv1(w, scale, O, I, B, x, y, r0, r1);
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
     for (int o = r0; o < r1; o++) {
         const uint8_t *row = w + (size_t)o * I;
@@ -93,7 +140,51 @@ void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const f
     }
 }
 
+#ifdef __AVX512F__
+static inline __m512 bf16_lo(__m512i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+}
+static inline __m512 bf16_hi(__m512i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+}
+
+/* Decode: R rows against one vector, as fp8_rows1; the columns past the last multiple of 32 go scalar. */
+static inline __attribute__((always_inline)) void bf16_rows1(const uint16_t *w, int I, const float *x, float *y,
+                                                             const int R) {
+    __m512 a0[4], a1[4];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 32 <= I; c += 32) {
+        const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512i h = _mm512_loadu_si512((const void *)(w + (size_t)r * I + c));
+            a0[r] = _mm512_fmadd_ps(bf16_lo(h), x0, a0[r]);
+            a1[r] = _mm512_fmadd_ps(bf16_hi(h), x1, a1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+        for (int k = c; k < I; k++) acc += bf16_scalar(w[(size_t)r * I + k]) * x[k];
+        y[r] = acc;
+    }
+}
+#endif
+
 void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y, int r0, int r1) {
+#ifdef __AVX512F__
+    if (nx == 1) {
+        const int groups = (r1 - r0 + 3) / 4;
+#pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
+        for (int g = 0; g < groups; g++) {
+            const int o = r0 + 4 * g;
+            if (o + 4 <= r1)
+                bf16_rows1(w + (size_t)o * I, I, x, y + o, 4);
+            else
+                for (int k = o; k < r1; k++) bf16_rows1(w + (size_t)k * I, I, x, y + k, 1);
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
     for (int o = r0; o < r1; o++) {
         const uint16_t *row = w + (size_t)o * I;

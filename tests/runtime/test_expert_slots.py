@@ -1,0 +1,42 @@
+"""CachedExperts over a real store: a copy that fails leaves no pinned slot and no slot that claims an expert."""
+
+import os
+
+import pytest
+import torch
+
+from dsflash.checkpoint.index import Checkpoint
+from dsflash.runtime.cached_experts import CachedExperts
+from dsflash.runtime.device import CpuDevice
+from dsflash.store.build import open_store
+
+
+@pytest.fixture()
+def experts(data_dir, tmp_path):
+    ckpt = Checkpoint.open(data_dir / "dsv41_tiny" / "tiny_a" / "model")
+    cfg = ckpt.config
+    store = open_store(ckpt, tmp_path, tp=1, fmt="bfp8_b", rebuild=True)
+    layer = next(s.layer_id for s in cfg.layers() if s.n_experts)
+    cached = CachedExperts(store, CpuDevice(), 4, 0, cfg.swiglu_limit)
+    yield cached, layer, cfg.hidden_size
+    cached.close()
+    store.close()
+    ckpt.close()
+
+
+def test_failed_copy_is_forgotten_and_unpins(experts):
+    cached, layer, dim = experts
+    x, w = torch.randn(1, dim), torch.ones(1, 2)
+    good = cached(layer, x, torch.tensor([[0, 1]]), w)
+    path, _, _ = cached.store.shard_range(layer, 0, 0)
+    fd = os.open(path, os.O_RDONLY)
+    os.close(cached._fds.pop(layer))
+    cached._fds[layer] = os.open(os.devnull, os.O_RDONLY)  # every read of this layer now ends at once
+    with pytest.raises(OSError, match="ended early"):
+        cached(layer, x, torch.tensor([[0, 2]]), w)  # 0 is resident, 2 must be copied and cannot be
+    assert (layer, 2) not in cached.pool and (layer, 0) in cached.pool
+    os.close(cached._fds.pop(layer))
+    cached._fds[layer] = fd
+    for _ in range(4):  # nothing stayed pinned: four new experts still find slots
+        cached(layer, x, torch.tensor([[2, 3]]), w)
+    torch.testing.assert_close(cached(layer, x, torch.tensor([[0, 1]]), w), good)
