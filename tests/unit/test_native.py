@@ -72,3 +72,31 @@ def test_decode_gemv_rows_do_not_depend_on_their_neighbours(kernels):
     tiles = bfp.pack(exact[:64].numpy(), "bfp4_b")
     half = bfp.pack(exact[32:64].numpy(), "bfp4_b")
     assert torch.equal(native.gemv(tiles, (64, 256), "bfp4_b", x)[:, 32:], native.gemv(half, (32, 256), "bfp4_b", x))
+
+
+@pytest.mark.skipif(not native.amx_ready(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("m,n,k", [(9, 64, 64), (40, 64, 64), (70, 96, 160), (33, 70, 200)])
+def test_amx_products_are_fp32_grade_and_row_independent(m, n, k):
+    """bf16x2 prefill products: within a few fp32 ulps of float64 for every weight source, and a shard's rows (a
+    TP rank's) come out bit for bit as in the whole matrix, whatever the token count."""
+    w, x = torch.randn(n, k) * 0.05, torch.randn(m, k)
+    q, s = fp8.quant_block(w, 32)
+    exact = fp8.dequant_block(q, s, 32)
+    sources = {
+        "fp8": (
+            exact,
+            lambda a, b: native.vnni_fp8(q[a:b].view(torch.uint8).contiguous(), s[a // 32 :].float() * 256, 32),
+        ),
+        "bf16": (exact, lambda a, b: native.vnni_bf16(exact[a:b].bfloat16().contiguous())),
+    }
+    if n % 32 == 0 and k % 32 == 0:
+        for fmt in ("bfp4_b", "bfp8_b"):
+            tiles = {(a, b): bfp.pack(w[a:b].numpy(), fmt) for a, b in ((0, n), (32, n))}
+            dense = torch.from_numpy(bfp.unpack(tiles[0, n], fmt, (n, k)))
+            sources[fmt] = (dense, lambda a, b, t=tiles, f=fmt: native.vnni_bfp(t[a, b], (b - a, k), f))
+    for name, (dense, vnni) in sources.items():
+        y = native.amx_linear(x, vnni(0, n).clone(), n)
+        want = x.double() @ dense.double().T
+        assert (y - want).abs().max() < 1e-5 * (1 + want.abs().max()), name
+        assert torch.equal(native.amx_linear(x, vnni(32, n).clone(), n - 32), y[:, 32:]), name
+        assert torch.equal(native.amx_linear(x[:5], vnni(0, n).clone(), n), y[:5]), name

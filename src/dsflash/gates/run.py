@@ -50,7 +50,7 @@ def engine_scores(
     cache_dir: str | None = None,
     qat: bool = False,
     progress: bool = False,
-    prefill_matmul: str = "fp32",
+    prefill_matmul: str = "auto",
 ) -> Scores:
     runner = start_runner(
         files.ckpt,

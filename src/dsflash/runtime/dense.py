@@ -2,9 +2,10 @@
 
 Both formats hold the checkpoint's values exactly (FP8 x power-of-two block scale; BF16). Few rows (decode) run
 the native GEMV kernels: fp32 activations, fp32 products, about one read of the weight. Many rows (prefill) expand
-the weight and use the BLAS: in bf16 on the matrix units where every rank computes whole outputs, in fp32 where a
-rank produces partial sums (row-parallel layers), so tensor-parallel runs still differ from a TP-1 run only in
-summation order.
+the weight and multiply as matrices, in the prefill matmul mode (runtime.rank.EngineOptions): bf16x2 on AMX (x as
+two bf16 terms, fp32 sums in a fixed order per output), fp32 on the BLAS, or bf16 on the BLAS where every rank
+computes whole outputs (fp32 where a rank produces partial sums). fp32 and bf16x2 runs at any TP degree differ from
+a TP-1 run only in the order partial sums are added.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ def _matmul(flat: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Te
 class Fp8Weight:
     """FP8 E4M3 [O, I] with one power-of-two scale per block x block tile."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block: int, matmul: torch.dtype = torch.float32):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block: int, matmul: torch.dtype | str = torch.float32):
         self.q, self.block, self.matmul = q, block, matmul
         self.scale = scale  # fp32 [ceil(O/B), ceil(I/B)]
         self.scale256 = (scale * 256).contiguous()  # the kernel's decode leaves a 2^-8 for the scale to undo
 
     @classmethod
-    def exact(cls, w: torch.Tensor, block: int, matmul: torch.dtype = torch.float32) -> Fp8Weight | None:
+    def exact(cls, w: torch.Tensor, block: int, matmul: torch.dtype | str = torch.float32) -> Fp8Weight | None:
         """Quantize a weight that came from FP8 blocks; None if that does not reproduce it exactly."""
         q, s = fp8.quant_block(w.float(), block)
         s = s.float()
@@ -52,6 +53,9 @@ class Fp8Weight:
             y = native.fp8_gemv(self.q, self.scale256, self.block, flat)
             if y is not None:
                 return y.view(*lead, -1)
+        if self.matmul == native.BF16X2:
+            wv = native.vnni_fp8(self.q, self.scale256, self.block)
+            return native.amx_linear(flat, wv, self.q.shape[0]).view(*lead, -1)
         w = native.fp8_dequant(self.q, self.scale256, self.block, self.matmul)
         if w is None:
             w = fp8.dequant_block(self.q.view(torch.float8_e4m3fn), self.scale, self.block)
@@ -65,7 +69,7 @@ class Fp8Weight:
 
 
 class Bf16Weight:
-    def __init__(self, w: torch.Tensor, matmul: torch.dtype = torch.float32):
+    def __init__(self, w: torch.Tensor, matmul: torch.dtype | str = torch.float32):
         self.w, self.matmul = w.to(torch.bfloat16).contiguous(), matmul
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,25 +78,29 @@ class Bf16Weight:
             y = native.bf16_gemv(self.w, flat)
             if y is not None:
                 return y.view(*lead, -1)
+        if self.matmul == native.BF16X2:
+            return native.amx_linear(flat, native.vnni_bf16(self.w), self.w.shape[0]).view(*lead, -1)
         return _matmul(flat, self.w, self.matmul).view(*lead, -1)
 
     def rows(self, start: int, stop: int) -> Bf16Weight:
         return Bf16Weight(self.w[start:stop], self.matmul)
 
 
-def pack_dense(model: nn.Module, ckpt, fmt: str = "fp8", matmul: torch.dtype = torch.float32) -> int:
+def pack_dense(model: nn.Module, ckpt, fmt: str = "fp8", matmul: torch.dtype | str = torch.float32) -> int:
     """Replace every matrix of `model` by its device format; returns the bytes the packed weights hold.
 
     fmt "fp8": FP8 where the checkpoint stores FP8, bf16 elsewhere. fmt "bf16": bf16 everywhere.
-    matmul: the dtype of prefill products where a rank computes whole outputs (partial sums are always fp32).
+    matmul: the prefill product mode, torch.float32, native.BF16X2, or torch.bfloat16 (only where a rank computes
+    whole outputs: partial sums then run in fp32).
     """
     block = ckpt.config.fp8_block
     total = 0
     for name, m in model.named_modules():
         if not isinstance(m, Linear | Head):
             continue
-        # row-parallel layers and the grouped wo_a (a group may straddle ranks) sum partial products
-        dtype = torch.float32 if isinstance(m, RowParallelLinear) or name.endswith(".wo_a") else matmul
+        # row-parallel layers and the grouped wo_a (a group may straddle ranks) sum partial products: fp32-grade
+        partial = isinstance(m, RowParallelLinear) or name.endswith(".wo_a")
+        dtype = torch.float32 if partial and matmul == torch.bfloat16 else matmul
         packed = None
         stored = ckpt.entry(f"{name}.weight").dtype if f"{name}.weight" in ckpt else None
         if fmt == "fp8" and stored == "F8_E4M3":

@@ -60,13 +60,13 @@ class CpuDevice:
     """Slots in process memory; experts computed by the native block-float kernels (runtime/native.py).
 
     Few tokens per expert (decode): fused GEMVs straight on the tiles, fp32 activations. Many (prefill): the tiles
-    expand (exactly) and multiply as matrices, w1 and w3 in `matmul_dtype` (bf16 runs on the matrix units; fp32
-    keeps the activations unrounded), w2 in fp32.
+    expand (exactly) and multiply as matrices in `matmul_dtype`: fp32 (the BLAS), native.BF16X2 (AMX, fp32-grade
+    activations) or bf16 (the BLAS in bf16 for w1 and w3; w2, whose outputs are partial sums, then in fp32).
     """
 
     name = "cpu"
 
-    def __init__(self, matmul_dtype: torch.dtype = torch.float32):
+    def __init__(self, matmul_dtype: torch.dtype | str = torch.float32):
         self.matmul_dtype = matmul_dtype
 
     def allocate(self, n_slots: int, nbytes: int) -> np.ndarray:
@@ -96,9 +96,11 @@ class CpuDevice:
         def view(m: PackedMatrix) -> np.ndarray:
             return mem[m.offset : m.offset + m.nbytes]
 
-        def apply(m: PackedMatrix, a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        def apply(m: PackedMatrix, a: torch.Tensor, dtype) -> torch.Tensor:
             if a.shape[0] <= GEMV_MAX_ROWS:
                 return native.gemv(view(m), (m.rows, m.cols), fmt, a)
+            if dtype == native.BF16X2:
+                return native.amx_linear(a, native.vnni_bfp(view(m), (m.rows, m.cols), fmt), m.rows)
             if dtype == torch.float32:
                 return F.linear(a.float(), native.dequant_f32(view(m), (m.rows, m.cols), fmt))
             w = native.dequant_bf16(view(m), (m.rows, m.cols), fmt)
@@ -106,4 +108,4 @@ class CpuDevice:
 
         # w1 / w3 give whole intermediate rows on every rank; w2's outputs are partial sums: fp32 (TP-invariant)
         h = swiglu(apply(layout.w1, x, self.matmul_dtype), apply(layout.w3, x, self.matmul_dtype), limit) * w
-        return apply(layout.w2, h, torch.float32)
+        return apply(layout.w2, h, torch.float32 if self.matmul_dtype == torch.bfloat16 else self.matmul_dtype)

@@ -21,7 +21,7 @@ def start_runner(
     dense_format: str = "fp8",
     threads: int | None = None,
     progress: bool = False,
-    prefill_matmul: str = "fp32",
+    prefill_matmul: str = "auto",
 ) -> TPRunner:
     check_tp(ckpt.config, tp)
     build_store(ckpt, cache_dir, tp=tp, fmt=expert_format, progress=progress, rebuild=True)

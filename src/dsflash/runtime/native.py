@@ -1,6 +1,7 @@
-"""The engine's CPU kernels (csrc/*.c: block-float experts, FP8 / bf16 dense GEMV): compiled at first use with the
-system C compiler, cached, and called through ctypes (which releases the GIL); the kernels split their rows over
-torch's OpenMP threads themselves. Without a compiler the same operations fall back to torch (correct, slower)."""
+"""The engine's CPU kernels (csrc/*.c: block-float experts, FP8 / bf16 dense GEMV, AMX prefill products): compiled
+at first use with the system C compiler, cached, and called through ctypes (which releases the GIL); the kernels
+split their rows over torch's OpenMP threads themselves. Without a compiler the same operations fall back to torch
+(correct, slower)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MBITS = {"bfp4_b": 3, "bfp8_b": 7}
+BF16X2 = "bf16x2"  # prefill products on AMX with x as two bf16 terms (amx_cpu.c): a matmul mode next to the dtypes
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp")
 GENERIC_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-fopenmp")  # no AVX-512: the portable loops
 _lock = threading.Lock()
@@ -48,7 +50,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
         log.warning("no C compiler found: the engine's CPU kernels fall back to torch (slower)")
         return None
     csrc = resources.files("dsflash.runtime") / "csrc"
-    names = ("bfp_cpu.c", "dense_cpu.c")
+    names = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c")
     src = b"".join((csrc / n).read_bytes() for n in names)
     key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_signature()).hexdigest()[:16]
     out = cache_dir() / f"dsflash_cpu-{key}.so"
@@ -74,6 +76,12 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.fp8_gemv.argtypes = [p, p, i, i, i, p, i, p, i, i]
     lib.fp8_expand.argtypes = [p, p, i, i, i, p, i, i, i]
     lib.bf16_gemv.argtypes = [p, i, i, p, i, p, i, i]
+    lib.amx_ready.argtypes, lib.amx_ready.restype = [], i
+    lib.amx_linear.argtypes = [p, p, i, i, p, i, i, p]
+    lib.split_bf16.argtypes = [p, i, i, p, p, i, i]
+    lib.bfp_vnni.argtypes = [p, i, i, i, p]
+    lib.fp8_vnni.argtypes = [p, p, i, i, i, p, i, i]
+    lib.bf16_vnni.argtypes = [p, i, i, p, i, i]
     return lib
 
 
@@ -88,7 +96,7 @@ def lib() -> ctypes.CDLL | None:
 _scratch = threading.local()
 
 
-def scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A reusable buffer for an expansion that is consumed at once: a fresh tensor of this size would be fresh
     pages, and faulting them in costs as much as filling them."""
     cache = _scratch.__dict__.setdefault("buffers", {})
@@ -180,3 +188,54 @@ def fp8_dequant(
     bf16 = int(dtype == torch.bfloat16)
     k.fp8_expand(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), bf16, 0, O)
     return out
+
+
+# ------------------------------------------------------------------------------------------ AMX (prefill)
+
+
+def amx_ready() -> bool:
+    """The CPU has AMX-BF16, the kernels were built for it, and the kernel lets this process use the tiles."""
+    k = lib()
+    return bool(k is not None and k.amx_ready())
+
+
+def _up32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+def vnni_bfp(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:
+    """Packed W [rows, cols] -> bf16 AMX tiles (amx_cpu.c), in a scratch buffer valid until the next expansion."""
+    rows, cols = shape
+    out = scratch((rows * cols // 512, 512), torch.int16)
+    lib().bfp_vnni(_ptr(tiles), rows // 32, cols // 32, MBITS[fmt], out.data_ptr())
+    return out
+
+
+def vnni_fp8(w: torch.Tensor, scale256: torch.Tensor, block: int) -> torch.Tensor:
+    (O, I), Np, Kp = w.shape, _up32(w.shape[0]), _up32(w.shape[1])
+    out = scratch((Np * Kp // 512, 512), torch.int16)
+    lib().fp8_vnni(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), Np, Kp)
+    return out
+
+
+def vnni_bf16(w: torch.Tensor) -> torch.Tensor:
+    (O, I), Np, Kp = w.shape, _up32(w.shape[0]), _up32(w.shape[1])
+    out = scratch((Np * Kp // 512, 512), torch.int16)
+    lib().bf16_vnni(w.data_ptr(), O, I, out.data_ptr(), Np, Kp)
+    return out
+
+
+def amx_linear(x: torch.Tensor, wv: torch.Tensor, n: int) -> torch.Tensor:
+    """x [m, k] fp32 @ W^T for W [n, k] in AMX tiles (vnni_*) -> fp32 [m, n]; x enters as two bf16 terms, W exactly,
+    products sum in fp32 in an order fixed per output element (see amx_cpu.c)."""
+    x = x.float().contiguous()
+    (m, k), Mp, Kp, Np = x.shape, _up32(x.shape[0]), _up32(x.shape[1]), _up32(n)
+    if wv.numel() != Np * Kp:
+        raise ValueError(f"AMX tiles hold {wv.numel()} values, [{n}, {k}] needs {Np * Kp}")
+    xs = scratch((2 * Mp, Kp), torch.int16)
+    xh, xl = xs[:Mp], xs[Mp:]
+    y = torch.empty(Mp, n, dtype=torch.float32)
+    kern = lib()
+    kern.split_bf16(x.data_ptr(), m, k, xh.data_ptr(), xl.data_ptr(), Mp, Kp)
+    kern.amx_linear(xh.data_ptr(), xl.data_ptr(), Mp, Kp, wv.data_ptr(), Np, n, y.data_ptr())
+    return y[:m]

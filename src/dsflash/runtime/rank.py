@@ -13,6 +13,7 @@ from dsflash.checkpoint.load import load_into
 from dsflash.model.block import Embedding
 from dsflash.model.parallel import TP
 from dsflash.model.transformer import Transformer
+from dsflash.runtime import native
 from dsflash.runtime.cached_experts import CachedExperts
 from dsflash.runtime.dense import pack_dense
 from dsflash.runtime.device import CpuDevice, Device
@@ -21,7 +22,8 @@ from dsflash.store.build import open_store
 log = logging.getLogger(__name__)
 
 DENSE_FORMATS = ("fp8", "bf16", "fp32")
-MATMUL = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MATMUL = {"bf16": torch.bfloat16, "fp32": torch.float32, "bf16x2": native.BF16X2}
+PREFILL_MATMUL = ("auto", *MATMUL)
 
 
 @dataclass(frozen=True)
@@ -38,9 +40,11 @@ class EngineOptions:
     dspark: bool = False
     threads: int | None = None  # torch / kernel threads per rank (default: cores / ranks)
     record_routing: str | None = None  # JSON-lines file for every MoE call's routing (rank 0; runtime.routing_log)
-    # prefill products without partial sums: fp32 (exact, TP-invariant) or bf16 (matrix units; its output rounding
-    # depends on the BLAS blocking, so TP degrees then differ by a bf16 ulp)
-    prefill_matmul: str = "fp32"
+    # prefill products: fp32 (the BLAS; exact products), bf16x2 (AMX with x as two bf16 terms: ~16 bits of x, fp32
+    # sums in a fixed order, several times faster), bf16 (the BLAS in bf16 where a rank computes whole outputs: x and
+    # outputs rounded to bf16, and the rounding depends on the BLAS blocking, so TP degrees differ by a bf16 ulp);
+    # auto: bf16x2 where the CPU has AMX, else fp32. fp32 and bf16x2 keep TP degrees equal to fp32 noise.
+    prefill_matmul: str = "auto"
 
 
 def slot_count(requested: int, ckpt: Checkpoint) -> int:
@@ -49,23 +53,35 @@ def slot_count(requested: int, ckpt: Checkpoint) -> int:
     return max(1, min(requested, total))
 
 
+def prefill_matmul(mode: str) -> str:
+    """The prefill product mode this process runs: auto picks bf16x2 where AMX works, else fp32."""
+    if mode not in PREFILL_MATMUL:
+        raise ValueError(f"prefill matmul {mode!r}: choose one of {', '.join(PREFILL_MATMUL)}")
+    if mode in ("auto", "bf16x2") and not native.amx_ready():
+        if mode == "bf16x2":
+            log.warning("prefill matmul bf16x2 needs AMX-BF16 and the native kernels: using fp32")
+        return "fp32"
+    return "bf16x2" if mode == "auto" else mode
+
+
 class RankRuntime:
     def __init__(self, opts: EngineOptions, tp: TP, token_map, device: Device | None = None):
         self.opts, self.tp = opts, tp
         ckpt = Checkpoint.open(opts.model_dir)
         cfg = ckpt.config
         self.cfg = cfg
+        matmul = MATMUL[prefill_matmul(opts.prefill_matmul)]
         self.model = Transformer(cfg, tp=tp, token_map=token_map, qat=opts.qat, dspark=opts.dspark)
         load_into(self.model, ckpt)
         if opts.dense_format != "fp32":
-            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, MATMUL[opts.prefill_matmul])
+            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul)
             for m in self.model.modules():  # embedding rows are only gathered: bf16 halves them for free
                 if isinstance(m, Embedding):
                     m.weight.data = m.weight.data.bfloat16()
         self.model.eval()
         store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
         ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
-        device = device or CpuDevice(MATMUL[opts.prefill_matmul])
+        device = device or CpuDevice(matmul)
         self.routing_log = _routing_log(opts, tp, cfg)
         self.experts = CachedExperts(
             store, device, slot_count(opts.expert_slots, ckpt), tp.rank, cfg.swiglu_limit, self.routing_log

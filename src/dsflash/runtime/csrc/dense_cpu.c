@@ -266,3 +266,47 @@ void fp8_expand(const uint8_t *w, const float *scale, int O, int I, int B, void 
         }
     }
 }
+
+void vnni_tile(const uint16_t *blk, uint16_t *tile); /* amx_cpu.c */
+
+/* FP8 [O, I] (scales x 256) -> AMX VNNI tiles [Np / 16][Kp / 32] (amx_cpu.c), zero-padded past O and I; 32 columns
+ * of 16 rows at a time through a block in L1. Only called where amx_ready(), which needs AVX-512. */
+void fp8_vnni(const uint8_t *w, const float *scale, int O, int I, int B, uint16_t *out, int Np, int Kp) {
+#ifdef __AVX512F__
+    const int nbc = (I + B - 1) / B, kb = Kp / 32;
+#pragma omp parallel for schedule(static) if ((size_t)Np * Kp > PARALLEL_ELEMENTS)
+    for (int n0 = 0; n0 < Np; n0 += 16) {
+        uint16_t blk[16 * 32];
+        for (int k0 = 0; k0 < Kp; k0 += 32) {
+            for (int r = 0; r < 16; r++) {
+                const int n = n0 + r;
+                uint16_t *dst = blk + 32 * r;
+                if (n >= O) {
+                    memset(dst, 0, 64);
+                } else if (k0 + 32 <= I && B % 32 == 0) {
+                    __m512 lo, hi;
+                    e4m3x32(w + (size_t)n * I + k0, &lo, &hi);
+                    const __m512 s = _mm512_set1_ps(scale[(size_t)(n / B) * nbc + k0 / B]);
+                    lo = _mm512_mul_ps(lo, s); /* exact: <= 4 significant bits times a power of two */
+                    hi = _mm512_mul_ps(hi, s);
+                    _mm256_storeu_si256((__m256i *)dst, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+                    _mm256_storeu_si256((__m256i *)(dst + 16),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
+                } else {
+                    for (int j = 0; j < 32; j++) {
+                        const int k = k0 + j;
+                        float v = k < I ? e4m3_scalar(w[(size_t)n * I + k]) * scale[(size_t)(n / B) * nbc + k / B] / 256.0f
+                                        : 0.0f;
+                        uint32_t bits;
+                        memcpy(&bits, &v, 4);
+                        dst[j] = (uint16_t)(bits >> 16);
+                    }
+                }
+            }
+            vnni_tile(blk, out + ((size_t)(n0 / 16) * kb + k0 / 32) * 512);
+        }
+    }
+#else
+    (void)w, (void)scale, (void)O, (void)I, (void)B, (void)out, (void)Np, (void)Kp;
+#endif
+}
