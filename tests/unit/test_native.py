@@ -82,21 +82,19 @@ def test_amx_products_are_fp32_grade_and_row_independent(m, n, k):
     w, x = torch.randn(n, k) * 0.05, torch.randn(m, k)
     q, s = fp8.quant_block(w, 32)
     exact = fp8.dequant_block(q, s, 32)
+    w8, s = q.view(torch.uint8).contiguous(), s.float()
     sources = {
-        "fp8": (
-            exact,
-            lambda a, b: native.vnni_fp8(q[a:b].view(torch.uint8).contiguous(), s[a // 32 :].float() * 256, 32),
-        ),
-        "bf16": (exact, lambda a, b: native.vnni_bf16(exact[a:b].bfloat16().contiguous())),
+        "fp8": (exact, lambda a, b: native.fp8_dequant(w8[a:b], s[a // 32 :] * 256, 32, torch.bfloat16)),
+        "bf16": (exact, lambda a, b: exact[a:b].bfloat16()),
     }
     if n % 32 == 0 and k % 32 == 0:
         for fmt in ("bfp4_b", "bfp8_b"):
             tiles = {(a, b): bfp.pack(w[a:b].numpy(), fmt) for a, b in ((0, n), (32, n))}
             dense = torch.from_numpy(bfp.unpack(tiles[0, n], fmt, (n, k)))
-            sources[fmt] = (dense, lambda a, b, t=tiles, f=fmt: native.vnni_bfp(t[a, b], (b - a, k), f))
-    for name, (dense, vnni) in sources.items():
-        y = native.amx_linear(x, vnni(0, n).clone(), n)
+            sources[fmt] = (dense, lambda a, b, t=tiles, f=fmt: native.dequant_bf16(t[a, b], (b - a, k), f))
+    for name, (dense, expand) in sources.items():
+        y = native.amx_linear(x, expand(0, n).clone())
         want = x.double() @ dense.double().T
         assert (y - want).abs().max() < 1e-5 * (1 + want.abs().max()), name
-        assert torch.equal(native.amx_linear(x, vnni(32, n).clone(), n - 32), y[:, 32:]), name
-        assert torch.equal(native.amx_linear(x[:5], vnni(0, n).clone(), n), y[:5]), name
+        assert torch.equal(native.amx_linear(x, expand(32, n).clone()), y[:, 32:]), name
+        assert torch.equal(native.amx_linear(x[:5], expand(0, n).clone()), y[:5]), name

@@ -53,10 +53,10 @@ class Fp8Weight:
             y = native.fp8_gemv(self.q, self.scale256, self.block, flat)
             if y is not None:
                 return y.view(*lead, -1)
-        if self.matmul == native.BF16X2:
-            wv = native.vnni_fp8(self.q, self.scale256, self.block)
-            return native.amx_linear(flat, wv, self.q.shape[0]).view(*lead, -1)
-        w = native.fp8_dequant(self.q, self.scale256, self.block, self.matmul)
+        amx = self.matmul == native.BF16X2
+        w = native.fp8_dequant(self.q, self.scale256, self.block, torch.bfloat16 if amx else self.matmul)
+        if amx:
+            return native.amx_linear(flat, w).view(*lead, -1)
         if w is None:
             w = fp8.dequant_block(self.q.view(torch.float8_e4m3fn), self.scale, self.block)
         return _matmul(flat, w, self.matmul).view(*lead, -1)
@@ -79,7 +79,7 @@ class Bf16Weight:
             if y is not None:
                 return y.view(*lead, -1)
         if self.matmul == native.BF16X2:
-            return native.amx_linear(flat, native.vnni_bf16(self.w), self.w.shape[0]).view(*lead, -1)
+            return native.amx_linear(flat, self.w).view(*lead, -1)
         return _matmul(flat, self.w, self.matmul).view(*lead, -1)
 
     def rows(self, start: int, stop: int) -> Bf16Weight:

@@ -77,11 +77,8 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.fp8_expand.argtypes = [p, p, i, i, i, p, i, i, i]
     lib.bf16_gemv.argtypes = [p, i, i, p, i, p, i, i]
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], i
-    lib.amx_linear.argtypes = [p, p, i, i, p, i, i, p]
-    lib.split_bf16.argtypes = [p, i, i, p, p, i, i]
-    lib.bfp_vnni.argtypes = [p, i, i, i, p]
-    lib.fp8_vnni.argtypes = [p, p, i, i, i, p, i, i]
-    lib.bf16_vnni.argtypes = [p, i, i, p, i, i]
+    lib.amx_linear.argtypes = [p, i, i, p, i, i, i, p]
+    lib.split_vnni.argtypes = [p, i, i, p, i, i]
     return lib
 
 
@@ -203,39 +200,22 @@ def _up32(n: int) -> int:
     return -(-n // 32) * 32
 
 
-def vnni_bfp(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:
-    """Packed W [rows, cols] -> bf16 AMX tiles (amx_cpu.c), in a scratch buffer valid until the next expansion."""
-    rows, cols = shape
-    out = scratch((rows * cols // 512, 512), torch.int16)
-    lib().bfp_vnni(_ptr(tiles), rows // 32, cols // 32, MBITS[fmt], out.data_ptr())
-    return out
-
-
-def vnni_fp8(w: torch.Tensor, scale256: torch.Tensor, block: int) -> torch.Tensor:
-    (O, I), Np, Kp = w.shape, _up32(w.shape[0]), _up32(w.shape[1])
-    out = scratch((Np * Kp // 512, 512), torch.int16)
-    lib().fp8_vnni(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), Np, Kp)
-    return out
-
-
-def vnni_bf16(w: torch.Tensor) -> torch.Tensor:
-    (O, I), Np, Kp = w.shape, _up32(w.shape[0]), _up32(w.shape[1])
-    out = scratch((Np * Kp // 512, 512), torch.int16)
-    lib().bf16_vnni(w.data_ptr(), O, I, out.data_ptr(), Np, Kp)
-    return out
-
-
-def amx_linear(x: torch.Tensor, wv: torch.Tensor, n: int) -> torch.Tensor:
-    """x [m, k] fp32 @ W^T for W [n, k] in AMX tiles (vnni_*) -> fp32 [m, n]; x enters as two bf16 terms, W exactly,
-    products sum in fp32 in an order fixed per output element (see amx_cpu.c)."""
+def amx_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [m, k] fp32 @ W^T for W bf16 [n, k] (an expansion, or a bf16 weight) -> fp32 [m, n]: x enters as two bf16
+    terms, W exactly, and products sum in fp32 in an order fixed per output element (see amx_cpu.c)."""
     x = x.float().contiguous()
-    (m, k), Mp, Kp, Np = x.shape, _up32(x.shape[0]), _up32(x.shape[1]), _up32(n)
-    if wv.numel() != Np * Kp:
-        raise ValueError(f"AMX tiles hold {wv.numel()} values, [{n}, {k}] needs {Np * Kp}")
-    xs = scratch((2 * Mp, Kp), torch.int16)
-    xh, xl = xs[:Mp], xs[Mp:]
-    y = torch.empty(Mp, n, dtype=torch.float32)
+    (m, k), (n, kw) = x.shape, w.shape
+    if k != kw:
+        raise ValueError(f"x has {k} columns, W {kw}")
+    Mp, Kp, Np = _up32(m), _up32(k), _up32(n)
+    if (Np, Kp) != (n, k) or not w.is_contiguous():  # tiles read whole 32-row, 32-column blocks
+        padded = scratch((Np, Kp), torch.bfloat16)
+        padded.zero_()
+        padded[:n, :k] = w
+        w = padded
+    xv = scratch((2 * Mp, Kp), torch.int16)
+    y = torch.empty(m, n, dtype=torch.float32)
     kern = lib()
-    kern.split_bf16(x.data_ptr(), m, k, xh.data_ptr(), xl.data_ptr(), Mp, Kp)
-    kern.amx_linear(xh.data_ptr(), xl.data_ptr(), Mp, Kp, wv.data_ptr(), Np, n, y.data_ptr())
-    return y[:m]
+    kern.split_vnni(x.data_ptr(), m, k, xv.data_ptr(), Mp, Kp)
+    kern.amx_linear(w.data_ptr(), Np, Kp, xv.data_ptr(), Mp, m, n, y.data_ptr())
+    return y

@@ -271,34 +271,3 @@ void bfp_expand(const uint8_t *tiles, int tr, int tc, int m, void *out, int bf16
         }
     }
 }
-
-void vnni_tile(const uint16_t *blk, uint16_t *tile); /* amx_cpu.c */
-
-/* Tiles -> AMX VNNI tiles [2 tr][tc] (amx_cpu.c): a 32 x 32 tile is two 16-row blocks, decoded a face row at a
- * time into a block in L1. Only called where amx_ready(), which needs AVX-512. */
-void bfp_vnni(const uint8_t *tiles, int tr, int tc, int m, uint16_t *out) {
-#ifdef __AVX512F__
-    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
-    float sc[256];
-    scales(m, sc);
-#pragma omp parallel for schedule(static) if ((size_t)tr * tc > PARALLEL_TILES)
-    for (int ti = 0; ti < tr; ti++) {
-        uint16_t blk[16 * 32];
-        for (int tj = 0; tj < tc; tj++) {
-            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-            for (int h = 0; h < 2; h++) {
-                for (int fc = 0; fc < 2; fc++) {
-                    const int f = 2 * h + fc;
-                    const uint8_t *d = t + 64 + f * fb;
-                    for (int r = 0; r < 16; r++)
-                        store16(blk, 32 * r + 16 * fc, 1,
-                                _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[t[16 * f + r]])));
-                }
-                vnni_tile(blk, out + ((size_t)(2 * ti + h) * tc + tj) * 512);
-            }
-        }
-    }
-#else
-    (void)tiles, (void)tr, (void)tc, (void)m, (void)out;
-#endif
-}
