@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,3 +41,21 @@ def test_failed_copy_is_forgotten_and_unpins(experts):
     for _ in range(4):  # nothing stayed pinned: four new experts still find slots
         cached(layer, x, torch.tensor([[2, 3]]), w)
     torch.testing.assert_close(cached(layer, x, torch.tensor([[0, 1]]), w), good)
+
+
+def test_large_copies_split_over_threads_arrive_whole(tmp_path):
+    torch.set_num_threads(2)
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    path = tmp_path / "store.bin"
+    data.tofile(path)
+    dev = CpuDevice()
+    slots = dev.allocate(2, 3 << 20)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dev.load(slots, 1, fd, 0, 3 << 20)  # above SPLIT_COPY_BYTES: pieces on two threads
+        assert np.array_equal(slots[1, : 3 << 20], data)
+        with pytest.raises(OSError, match="ended early"):
+            dev.load(slots, 0, fd, 1 << 20, 3 << 20)  # runs past the end of the file
+    finally:
+        os.close(fd)
+        dev.close()

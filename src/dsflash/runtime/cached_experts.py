@@ -88,6 +88,7 @@ class CachedExperts:
         return {**self.pool.counters(), "bytes_copied": self.bytes_copied, "copy_s": self.copy_s}
 
     def close(self) -> None:
+        self.device.close()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
