@@ -50,3 +50,37 @@ def test_forget_frees_the_slot_of_an_expert_that_never_arrived():
     slot, _ = pool.acquire("a")
     pool.forget("a")  # its copy failed
     assert "a" not in pool and pool.acquire("b") == (slot, False)
+
+
+def test_cold_misses_keep_repeated_scans_hitting():
+    """4 layers x 32 experts through 96 slots, every expert of every layer each pass (a prefill): plain LRU evicts
+    what the next pass needs first and never hits; misses inserted cold keep two layers resident."""
+
+    def passes(cold: bool) -> list[int]:
+        pool, hits = SlotPool(96), []
+        for _ in range(4):
+            before = pool.hits
+            for layer in range(4):
+                keys = [(layer, e) for e in range(32)]
+                for k in keys:
+                    pool.acquire(k, cold)
+                for k in keys:
+                    pool.release(k)
+            hits.append(pool.hits - before)
+        return hits
+
+    assert passes(cold=False) == [0, 0, 0, 0]
+    assert passes(cold=True) == [0, 64, 64, 64]
+
+
+def test_cold_miss_leaves_first_but_a_hit_warms_it():
+    pool = SlotPool(2)
+    pool.acquire("a"), pool.release("a")
+    pool.acquire("b", cold=True), pool.release("b")
+    assert pool.acquire("c") == (1, False)  # b, the cold one, goes before the older a
+    pool.release("c")
+    assert pool.acquire("d", cold=True) == (0, False)  # a is now the LRU; d takes its slot, cold
+    pool.release("d")
+    assert pool.acquire("d") == (0, True)  # the hit makes d the most recent...
+    pool.release("d")
+    assert pool.acquire("e") == (1, False)  # ...so c goes next, not d

@@ -21,6 +21,10 @@ def shard_layout(geometry) -> ShardLayout:
     return ShardLayout(geometry.tile_format, *mats, nbytes=geometry.shard_bytes)
 
 
+# a call with at least this many tokens is a scan over the layer's experts (prefill), not decode
+SCAN_TOKENS = 16
+
+
 class CachedExperts:
     def __init__(self, store, device: Device, n_slots: int, rank: int, swiglu_limit: float, routing_log=None):
         self.store, self.device, self.rank, self.limit = store, device, rank, swiglu_limit
@@ -40,9 +44,10 @@ class CachedExperts:
         experts = torch.unique(ids).tolist()
         # resident experts first: pinned before any miss can evict them
         experts.sort(key=lambda e: ((layer, e) not in self.pool, e))
+        scan = x.shape[0] >= SCAN_TOKENS  # a prefill chunk: its misses go in cold (SlotPool.acquire)
         for start in range(0, len(experts), self.pool.n_slots):
             wave = experts[start : start + self.pool.n_slots]
-            slots = self._acquire(layer, wave)
+            slots = self._acquire(layer, wave, scan)
             try:
                 for e, slot in zip(wave, slots, strict=True):
                     tok, k = torch.where(ids == e)
@@ -53,8 +58,8 @@ class CachedExperts:
                     self.pool.release((layer, e))
         return y
 
-    def _acquire(self, layer: int, experts: list[int]) -> list[int]:
-        got = [self.pool.acquire((layer, e)) for e in experts]
+    def _acquire(self, layer: int, experts: list[int], cold: bool = False) -> list[int]:
+        got = [self.pool.acquire((layer, e), cold) for e in experts]
         missing = [(e, slot) for e, (slot, hit) in zip(experts, got, strict=True) if not hit]
         done = 0
         try:

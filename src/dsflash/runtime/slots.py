@@ -33,8 +33,12 @@ class SlotPool:
     def slot_of(self, key: Hashable) -> int | None:
         return self._lru.get(key)
 
-    def acquire(self, key: Hashable) -> tuple[int, bool]:
-        """(slot, hit) for key, made most recently used and pinned; a miss takes a free or the LRU unpinned slot."""
+    def acquire(self, key: Hashable, cold: bool = False) -> tuple[int, bool]:
+        """(slot, hit) for key, pinned; a miss takes a free or the LRU unpinned slot. A hit becomes the most recently
+        used; so does a miss, unless `cold`: then it goes in as the least recently used, first to leave once
+        unpinned. That keeps a scan (a prefill chunk reading most of every layer's experts, layer after layer) from
+        flushing the pool: under plain LRU, when slots < experts a scan touches, every layer evicts exactly the
+        experts the next pass needs first and a repeated scan never hits."""
         slot = self._lru.get(key)
         hit = slot is not None
         if hit:
@@ -44,6 +48,8 @@ class SlotPool:
             self.misses += 1
             slot = self._free.pop() if self._free else self._evict()
             self._lru[key] = slot
+            if cold:
+                self._lru.move_to_end(key, last=False)
         self._pins[key] = self._pins.get(key, 0) + 1
         return slot, hit
 
