@@ -61,3 +61,19 @@ def test_make_cache():
     assert pinned.pinned == {9, 8}
     with pytest.raises(ValueError):
         make_cache("fifo", 4, [])
+
+
+def test_cold_scans_match_the_engine_pool():
+    """The simulator's cold-insertion LRU makes the same choices as the engine's SlotPool on repeated scans."""
+    from dsflash.runtime.slots import SlotPool
+
+    sim, pool = make_cache("lru-cold", 96, hot_order=[]), SlotPool(96)
+    for _ in range(3):
+        for layer in range(4):
+            keys = [layer * 32 + e for e in range(32)]
+            missed = sim.access(keys, scan=True)
+            got = [pool.acquire(k, cold=True) for k in keys]
+            for k in keys:
+                pool.release(k)
+            assert missed == [k for k, (_, hit) in zip(keys, got, strict=True) if not hit]
+    assert sim.misses == pool.misses == 3 * 128 - 2 * 64

@@ -41,9 +41,9 @@ class EngineOptions:
     threads: int | None = None  # torch / kernel threads per rank (default: cores / ranks)
     record_routing: str | None = None  # JSON-lines file for every MoE call's routing (rank 0; runtime.routing_log)
     # prefill products: fp32 (the BLAS; exact products), bf16x2 (AMX with x as two bf16 terms: ~16 bits of x, fp32
-    # sums in a fixed order, several times faster), bf16 (the BLAS in bf16 where a rank computes whole outputs: x and
-    # outputs rounded to bf16, and the rounding depends on the BLAS blocking, so TP degrees differ by a bf16 ulp);
-    # auto: bf16x2 where the CPU has AMX, else fp32. fp32 and bf16x2 keep TP degrees equal to fp32 noise.
+    # sums in a fixed order; 1.8-2.7x the fp32 BLAS here), bf16 (the BLAS in bf16 where a rank computes whole
+    # outputs: x and outputs rounded to bf16, and the rounding depends on the BLAS blocking, so TP degrees differ by
+    # a bf16 ulp); auto: bf16x2 where the CPU has AMX, else fp32. fp32 and bf16x2 keep TP degrees equal to fp32 noise.
     prefill_matmul: str = "auto"
 
 

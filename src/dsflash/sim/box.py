@@ -66,7 +66,9 @@ class Box:
 class Policy:
     """The levers: slot replacement, pinned hot experts, copy/compute overlap, prefetch, expert-major prefill."""
 
-    cache: str = "lru"  # lru | lfu | pinned (LRU over the slots left after pinning the hottest experts)
+    # lru | lru-cold (prefill misses enter least recently used, as the engine does) | lfu | pinned (LRU over the
+    # slots left after pinning the hottest experts)
+    cache: str = "lru"
     pinned_share: float = 0.5  # share of the slots pinned by `pinned`
     overlap: bool = False  # copies run while the device computes (otherwise they serialize with compute)
     prefetch: bool = False  # the next layer's predicted experts are copied during this layer (needs overlap)
@@ -76,7 +78,8 @@ class Policy:
     def label(self) -> str:
         if self.name:
             return self.name
-        parts = [{"lru": "LRU", "lfu": "LFU", "pinned": f"LRU + {self.pinned_share:.0%} pinned hot"}[self.cache]]
+        names = {"lru": "LRU", "lru-cold": "LRU, prefill misses cold", "lfu": "LFU"}
+        parts = [names.get(self.cache, f"LRU + {self.pinned_share:.0%} pinned hot")]
         if self.overlap:
             parts.append("overlap")
         if self.prefetch:

@@ -1,7 +1,8 @@
 """Device expert-slot replacement policies over integer keys (layer * experts + expert). No timing here.
 
-`access(keys)` makes every key of one MoE call resident and returns the ones that had to be copied in; the keys of
-the call are protected while it runs (the engine pins them), so a call never evicts its own experts.
+`access(keys, scan)` makes every key of one MoE call resident and returns the ones that had to be copied in; the keys
+of the call are protected while it runs (the engine pins them), so a call never evicts its own experts. `scan` marks
+a prefill chunk's call, which only the cold-insertion LRU (the engine's runtime.slots.SlotPool) treats apart.
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ from collections.abc import Iterable
 
 
 class LRU:
-    def __init__(self, slots: int):
-        self.slots = slots
+    """cold_scans: a scan's misses enter as least recently used (first to go once the call ends), as the engine
+    does; plain LRU otherwise."""
+
+    def __init__(self, slots: int, cold_scans: bool = False):
+        self.slots, self.cold_scans = slots, cold_scans
         self._d: dict[int, None] = {}  # insertion order = recency, least recent first
         self.misses = 0
 
     def __contains__(self, key: int) -> bool:
         return key in self._d
 
-    def access(self, keys: Iterable[int]) -> list[int]:
+    def access(self, keys: Iterable[int], scan: bool = False) -> list[int]:
         d = self._d
         missing = []
         for k in keys:
@@ -34,6 +38,9 @@ class LRU:
                 protect = protect or set(keys)
                 self._evict(protect)
             d[k] = None
+        if scan and self.cold_scans and missing:  # rebuild the order with the new keys first (least recent)
+            rest = [k for k in d if k not in set(missing)]
+            self._d = d = dict.fromkeys(missing[::-1] + rest)  # in the order SlotPool leaves them
         self.misses += len(missing)
         return missing
 
@@ -65,7 +72,7 @@ class LFU:
     def __contains__(self, key: int) -> bool:
         return key in self._resident
 
-    def access(self, keys: Iterable[int]) -> list[int]:
+    def access(self, keys: Iterable[int], scan: bool = False) -> list[int]:
         keys = list(keys)
         protect = set(keys)
         missing = []
@@ -123,8 +130,8 @@ class Pinned:
     def __contains__(self, key: int) -> bool:
         return key in self.pinned or key in self.lru
 
-    def access(self, keys: Iterable[int]) -> list[int]:
-        return self.lru.access([k for k in keys if k not in self.pinned])
+    def access(self, keys: Iterable[int], scan: bool = False) -> list[int]:
+        return self.lru.access([k for k in keys if k not in self.pinned], scan)
 
     def prefetch(self, keys: Iterable[int]) -> list[int]:
         return self.access(keys)
@@ -134,9 +141,11 @@ def make_cache(kind: str, slots: int, hot_order, pinned_share: float = 0.5):
     """hot_order: keys hottest first (long-run popularity), used to choose the pinned experts."""
     if kind == "lru":
         return LRU(slots)
+    if kind == "lru-cold":
+        return LRU(slots, cold_scans=True)
     if kind == "lfu":
         return LFU(slots)
     if kind == "pinned":
         n = int(slots * pinned_share)
         return Pinned(slots, (int(k) for k in hot_order[:n]))
-    raise ValueError(f"unknown cache policy {kind!r} (lru, lfu, pinned)")
+    raise ValueError(f"unknown cache policy {kind!r} (lru, lru-cold, lfu, pinned)")

@@ -73,7 +73,7 @@ class Machine:
         t = dma = 0.0
         ready = 0.0  # when the copies prefetched for this layer are done
         for l, keys in enumerate(calls):
-            missing = self.cache.access(keys)
+            missing = self.cache.access(keys, scan=step.kind == "prefill")
             x = self._copy_time(missing, res)
             if step.kind == "decode":
                 res.decode_misses += len(missing)

@@ -25,6 +25,7 @@ BIG_RAM = {"page_cache": 340 * GB}  # the whole 313 GB store fits in the host pa
 
 LEVERS = [
     Lever("reference box: LRU, copies serialized with compute, expert-major prefill"),
+    Lever("LRU, prefill misses inserted cold (the engine's)", Policy(cache="lru-cold")),
     Lever("LFU replacement", Policy(cache="lfu")),
     Lever("LRU + half the slots pinned to the hottest experts", Policy(cache="pinned")),
     Lever("copies overlap compute", Policy(overlap=True)),
