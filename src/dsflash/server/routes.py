@@ -87,23 +87,20 @@ def model(app, name: str) -> Reply:
 
 
 def chat(app, body) -> Generation:
-    _served(app)
-    req, stream = protocol.parse_chat(body, app.served)
-    meta = Meta(
-        app.served.model_id, "chat", logprobs=req.options.logprobs is not None, include_usage=stream.include_usage
-    )
-    req = _with_id(req, meta.id)
-    return Generation("chat", req, stream, meta, protocol.unknown_fields(body, protocol.CHAT_FIELDS))
+    return _generation(app, body, "chat", protocol.parse_chat, protocol.CHAT_FIELDS)
 
 
 def completion(app, body) -> Generation:
+    return _generation(app, body, "completion", protocol.parse_completion, protocol.COMPLETION_FIELDS)
+
+
+def _generation(app, body, kind: str, parse, fields) -> Generation:
     _served(app)
-    req, stream = protocol.parse_completion(body, app.served)
-    meta = Meta(
-        app.served.model_id, "completion", logprobs=req.options.logprobs is not None, include_usage=stream.include_usage
-    )
+    req, stream = parse(body, app.served)
+    logprobs = req.options.logprobs is not None
+    meta = Meta(app.served.model_id, kind, logprobs=logprobs, include_usage=stream.include_usage)
     req = _with_id(req, meta.id)
-    return Generation("completion", req, stream, meta, protocol.unknown_fields(body, protocol.COMPLETION_FIELDS))
+    return Generation(kind, req, stream, meta, protocol.unknown_fields(body, fields))
 
 
 def _with_id(req, request_id: str):

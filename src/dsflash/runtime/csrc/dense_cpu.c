@@ -38,6 +38,15 @@ static inline void e4m3x32(const uint8_t *p, __m512 *lo, __m512 *hi) {
 #endif
 
 #ifdef __AVX512F__
+/* e4m3x32 with the block scale applied (exact: a power of two times at most 4 significant bits) */
+static inline void e4m3x32_scaled(const uint8_t *p, __m512 s, __m512 *lo, __m512 *hi) {
+    e4m3x32(p, lo, hi);
+    *lo = _mm512_mul_ps(*lo, s);
+    *hi = _mm512_mul_ps(*hi, s);
+}
+#endif
+
+#ifdef __AVX512F__
 /* one row of W against nx <= 2 vectors; the block scale is folded into the decoded weights (exact: a power of
  * two), and two accumulators per vector keep the FMA chain from stalling */
 static inline void fp8_row(const uint8_t *row, const float *sr, int I, int B, const float *x0, const float *x1,
@@ -47,9 +56,7 @@ static inline void fp8_row(const uint8_t *row, const float *sr, int I, int B, co
         __m512 s = _mm512_set1_ps(sr[j]);
         for (int end = c + B; c < end; c += 32) {
             __m512 lo, hi;
-            e4m3x32(row + c, &lo, &hi);
-            lo = _mm512_mul_ps(lo, s);
-            hi = _mm512_mul_ps(hi, s);
+            e4m3x32_scaled(row + c, s, &lo, &hi);
             a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x0 + c), a0);
             a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x0 + c + 16), a1);
             if (two) {
@@ -238,9 +245,7 @@ void fp8_expand(const uint8_t *w, const float *scale, int O, int I, int B, void 
                 __m512 s = _mm512_set1_ps(sr[j]);
                 for (int end = c + B; c < end; c += 32) {
                     __m512 lo, hi;
-                    e4m3x32(row + c, &lo, &hi);
-                    lo = _mm512_mul_ps(lo, s);
-                    hi = _mm512_mul_ps(hi, s);
+                    e4m3x32_scaled(row + c, s, &lo, &hi);
                     if (bf16) {
                         _mm256_storeu_si256((__m256i *)(h16 + c),
                                             _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
