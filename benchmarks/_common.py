@@ -65,14 +65,20 @@ def generated(name: str, config: dict, seed: int = 0) -> Path:
     return out
 
 
-def memcpy_gbps(nbytes: int = 1 << 30, reps: int = 3) -> float:
-    """Best of a few copies of a buffer larger than any cache, on torch's threads (bytes copied per second)."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
+def memcpy_gbps(nbytes: int = 1 << 30, reps: int = 3, device: str = "cpu", pinned_src: bool = False) -> float:
+    """Best of a few copies of a buffer larger than any cache (bytes copied per second): on torch's threads, within
+    a GPU's memory (device cuda), or host to GPU from pinned memory (device cuda, pinned_src)."""
+    on_gpu = device != "cpu"
+    src = torch.ones(nbytes, dtype=torch.uint8, device="cpu" if pinned_src else device, pin_memory=pinned_src)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst.copy_(src)
     best = float("inf")
     for _ in range(reps):
+        if on_gpu:
+            torch.cuda.synchronize()
         t = time.perf_counter()
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=pinned_src)
+        if on_gpu:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return nbytes / best / 1e9

@@ -5,6 +5,11 @@ served with fewer slots than experts. Prints one table per model and the ratios 
 decode >= 3x the reference at TP 1, weight bytes read per decoded token at >= 50 % of memcpy bandwidth.
 
     .venv/bin/python benchmarks/engine_decode.py [--decode N] [--prefill T] [--slots S] [--only tiny|real]
+        [--device cpu|cuda]
+
+With --device cuda both sides run on the GPU: the reference as torch ops with every expert resident, the engine
+with its Triton kernels; memcpy is then a copy within GPU memory, and the host-to-GPU copy rate (what a slot miss
+streams at) is printed beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import CACHE, TINY, generated, memcpy_gbps, real_width_config  # noqa: E402
 from dsflash.checkpoint.index import Checkpoint  # noqa: E402
 from dsflash.runtime.loader import load_reference  # noqa: E402
-from dsflash.runtime.rank import EngineOptions  # noqa: E402
+from dsflash.runtime.rank import EngineOptions, to_device  # noqa: E402
 from dsflash.runtime.workers import TPRunner  # noqa: E402
 from dsflash.store.build import build_store  # noqa: E402
 from dsflash.text.token_map import compressed_token_map  # noqa: E402
@@ -33,9 +38,11 @@ from dsflash.text.tokenizer import Tokenizer  # noqa: E402
 
 def time_forward(reset, step, prompt: list[int], steps: int) -> tuple[float, float]:
     """(TTFT seconds of a prompt prefill, seconds per decode step) with greedy feeding, after a short warm-up.
-    step(tokens, start_pos) -> the last position's logits [V] (generation needs no other)."""
+    step(tokens, start_pos) -> the last position's logits [V] (generation needs no other). Reading the argmax
+    waits for a GPU, so the times are complete."""
     reset()
-    step(prompt[:8], 0)  # first calls pay for allocator growth and kernel loading
+    step(prompt[:8], 0)  # first calls pay for allocator growth and kernel loading (and compiling, on a GPU)
+    step([1], 8)
     reset()
     t = time.perf_counter()
     token, pos = int(step(prompt, 0).argmax()), len(prompt)
@@ -51,16 +58,19 @@ def dense_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.endswith("embed.weight"))
 
 
-def time_reference(ref, max_len: int, prompt: list[int], steps: int) -> tuple[float, float, int]:
-    state = ref.model.new_state(max_len)
+def time_reference(ref, max_len: int, prompt: list[int], steps: int, device: str) -> tuple[float, float, int]:
+    if device != "cpu":
+        to_device(ref.model, torch.device(device))
+        ref.experts.weights = {k: tuple(w.to(device) for w in ws) for k, ws in ref.experts.weights.items()}
+    state = ref.model.new_state(max_len, device=device)
 
     def step(ids: list[int], pos: int) -> torch.Tensor:
-        return ref.model(torch.tensor([ids]), pos, state, ref.experts, last_only=True)[0, -1]
+        return ref.model(torch.tensor([ids], device=device), pos, state, ref.experts, last_only=True)[0, -1]
 
     return (*time_forward(state.reset, step, prompt, steps), dense_bytes(ref.model))
 
 
-def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, threads: int) -> dict:
+def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, threads: int, device: str) -> dict:
     ckpt = Checkpoint.open(model_dir)
     cfg = ckpt.config
     tok = Tokenizer.from_dir(model_dir, cfg.model_type)
@@ -74,15 +84,19 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
     ref = load_reference(
         ckpt, token_map, qat=False, dspark=False, expert_dtype=torch.bfloat16 if wide else torch.float32
     )
-    ref_ttft, ref_step, ref_bytes = time_reference(ref, max_len, prompt, steps)
+    ref_ttft, ref_step, ref_bytes = time_reference(ref, max_len, prompt, steps, device)
     del ref
     gc.collect()
+    if device != "cpu":
+        torch.cuda.empty_cache()
 
     cache = str(CACHE / "stores")
     t = time.perf_counter()
     build_store(ckpt, cache, tp=1, fmt="bfp4_b", progress=False, rebuild=True)
     store_s = time.perf_counter() - t
-    opts = EngineOptions(str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads)
+    opts = EngineOptions(
+        str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads, device=device
+    )
     runner = TPRunner(opts, 1, token_map, cfg.vocab_size)
     runner.reset()
     runner.forward(prompt[:8], 0, False)  # warm-up, left out of the counters below
@@ -99,9 +113,10 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
     decode_misses = c["misses"] - before["misses"]
     # per decoded token: every dense byte, the routed experts' slot bytes, and the bytes copied into slots
     per_token = eng_dense + routed * shard + copied / max(1, steps + 1)
-    gbps = memcpy_gbps()
+    gbps = memcpy_gbps(device=device)
     return {
         "model": name,
+        "device": torch.cuda.get_device_name() if device != "cpu" else "cpu",
         "threads": threads,
         "slots": slots,
         "experts": sum(s.n_experts for s in cfg.layers() if not s.is_dspark),
@@ -119,6 +134,7 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
         "memcpy_gb_s": gbps,
         "weight_bw_vs_memcpy": per_token / eng_step / 1e9 / gbps,
         "store_build_s": store_s,
+        **({"host_to_gpu_gb_s": memcpy_gbps(device=device, pinned_src=True)} if device != "cpu" else {}),
     }
 
 
@@ -129,14 +145,23 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=96, help="slots for the real-width model (it has 128 experts)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--only", choices=["tiny", "real"])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = ap.parse_args()
     rows = []
     if args.only != "real":
-        rows.append(bench("tiny_a fixture", TINY, args.prefill, max(args.decode, 32), 12, args.threads))
+        rows.append(bench("tiny_a fixture", TINY, args.prefill, max(args.decode, 32), 12, args.threads, args.device))
     if args.only != "tiny":
         real = generated("real4x32", real_width_config(4, 32))
         rows.append(
-            bench("V4.1 widths, 4 layers x 32 experts", real, args.prefill, args.decode, args.slots, args.threads)
+            bench(
+                "V4.1 widths, 4 layers x 32 experts",
+                real,
+                args.prefill,
+                args.decode,
+                args.slots,
+                args.threads,
+                args.device,
+            )
         )
     for r in rows:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))

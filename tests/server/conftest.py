@@ -67,6 +67,13 @@ class Server:
             time.sleep(0.1)
         raise AssertionError(f"server not ready after {timeout}s:\n{self.output()}")
 
+    def wait_output(self, text: str, timeout: float = 30) -> str:
+        """The output once it holds `text` (the ready card is printed after /health first answers 200)."""
+        t0 = time.monotonic()
+        while text not in (out := self.output()) and time.monotonic() - t0 < timeout:
+            time.sleep(0.05)
+        return out
+
     def _find_port(self) -> None:
         """The port the server really bound (it walks up when ours was taken meanwhile), from its state file."""
         for path in (Path(self.env["DSFLASH_STATE"]) / "servers").glob("*.json"):

@@ -37,7 +37,7 @@ def test_boot_port_walk_detach_stop(tmp_path):
         assert httpx.get(a.base + "/metrics").status_code == 200
         first_boot = a.wait_ready()
         assert first_boot < 60, f"first boot took {first_boot:.0f}s"
-        out = a.output()
+        out = a.wait_output("Ready in")
         assert "generated" in out and "Ready in" in out and f"http://127.0.0.1:{port}/v1" in out
         assert "expert store      built after the packer self-check" in out
         for label in ("checkpoint", "inventory", "expert store", "dense weights", "slots and caches", "warm-up", "API"):

@@ -23,6 +23,7 @@ def child_argv(args) -> list[str]:
         ("--tp", args.tp),
         ("--expert-slots", args.expert_slots),
         ("--expert-format", args.expert_format),
+        ("--device", args.device),
         ("--backend", args.backend),
         ("--max-queue", args.max_queue),
         ("--max-model-len", args.max_model_len),

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from dsflash.cli._device import add_device_argument
 from dsflash.errors import InvalidRequest
 
 
@@ -25,6 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="engine: tensor-parallel degree")
     p.add_argument("--expert-slots", type=int, default=4500, help="engine: device expert slots")
     p.add_argument("--expert-format", choices=["bfp4_b", "bfp8_b"], default="bfp4_b", help="engine: expert tiles")
+    add_device_argument(p, "engine: ")
     p.add_argument("--cache-dir", default=None, help="engine: expert store root (default $DSFLASH_CACHE)")
     p.set_defaults(run=run)
 
@@ -101,6 +103,7 @@ def _backend(args, max_len: int):
         expert_format=args.expert_format,
         cache_dir=args.cache_dir,
         qat=not args.no_qat,
+        device=args.device,
     )
     runner = TPRunner(opts, args.tp, files.token_map, files.ckpt.config.vocab_size)
     return runner_forward(runner), runner.close

@@ -9,6 +9,8 @@ import sys
 import threading
 import time
 
+from dsflash.cli._device import add_device_argument
+
 DEFAULT_PORT = 20000
 API_KEY_ENV = "DSFLASH_API_KEY"
 
@@ -45,6 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--expert-format", choices=["bfp4_b", "bfp8_b"], default="bfp4_b", help="tile format of the routed experts"
     )
+    add_device_argument(p)
     p.add_argument(
         "--backend",
         choices=["engine", "reference"],
@@ -130,6 +133,7 @@ class _Serve:
             tp=args.tp,
             expert_slots=args.expert_slots,
             expert_format=args.expert_format,
+            device=args.device,
             max_queue=args.max_queue,
             max_model_len=args.max_model_len,
             cache_dir=args.cache_dir,

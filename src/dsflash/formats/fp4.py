@@ -22,13 +22,14 @@ _TIE_UP = torch.tensor([False, True, False, True, False, True, False])
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 already scaled into [-6, 6] -> uint8 codes 0..15 (round to nearest even, sign kept)."""
     mag = x.abs().unsqueeze(-1)
-    code = (mag > _MIDS).sum(-1) + ((mag == _MIDS) & _TIE_UP).sum(-1)
+    mids, tie_up = _MIDS.to(x.device), _TIE_UP.to(x.device)
+    code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value of fp32 x in [-6, 6]."""
-    return FP4_TABLE[e2m1_codes(x).long()]
+    return FP4_TABLE.to(x.device)[e2m1_codes(x).long()]
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ def engine_scores(
     qat: bool = False,
     progress: bool = False,
     prefill_matmul: str = "auto",
+    device: str = "auto",
 ) -> Scores:
     runner = start_runner(
         files.ckpt,
@@ -63,6 +64,7 @@ def engine_scores(
         qat=qat,
         progress=progress,
         prefill_matmul=prefill_matmul,
+        device=device,
     )
     try:
         pre, dec = _score(runner_forward(runner), ids, prefill)
@@ -100,11 +102,19 @@ def run_gates(
     qat: bool = False,
     thresholds: Thresholds | None = None,
     progress: bool = False,
+    device: str = "auto",
 ) -> dict:
     """Score reference and engine on the same tokens; the report says which thresholds fail (if any)."""
     ids, prefill = gate_ids(files, tokens)
     want = reference_scores(files, ids, prefill, qat)
-    got = engine_scores(files, ids, prefill, tp, expert_slots, expert_format, cache_dir, qat, progress)
+    got = engine_scores(files, ids, prefill, tp, expert_slots, expert_format, cache_dir, qat, progress, device=device)
     out = report(want, got, thresholds)
-    out["config"] = {"tp": tp, "expert_format": expert_format, "tokens": len(ids), "prefill": prefill, "qat": qat}
+    out["config"] = {
+        "tp": tp,
+        "expert_format": expert_format,
+        "tokens": len(ids),
+        "prefill": prefill,
+        "qat": qat,
+        "device": device,
+    }
     return out

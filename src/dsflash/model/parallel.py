@@ -17,14 +17,18 @@ class TP:
     size: int = 1
     rank: int = 0
     group: Any = None
+    host_staging: bool = False  # collectives of device tensors go through host copies (gloo between GPU ranks)
 
     @classmethod
     def single(cls) -> TP:
         return cls()
 
     @classmethod
-    def from_process_group(cls, group: Any = None) -> TP:
-        return cls(size=dist.get_world_size(group), rank=dist.get_rank(group), group=group)
+    def from_process_group(cls, group: Any = None, host_staging: bool = False) -> TP:
+        return cls(size=dist.get_world_size(group), rank=dist.get_rank(group), group=group, host_staging=host_staging)
+
+    def _staged(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cpu() if self.host_staging else x
 
     def part(self, n: int) -> int:
         """This rank's share of a dimension split over ranks; an uneven split is padded (ceil)."""
@@ -39,14 +43,15 @@ class TP:
         """Sum partial results over ranks, in fp32 so that bf16 partials do not lose the small terms."""
         if self.size == 1:
             return x
-        y = x.float()
+        y = self._staged(x.float())
         dist.all_reduce(y, group=self.group)
-        return y.to(x.dtype)
+        return y.to(device=x.device, dtype=x.dtype)
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's slice along the last dim (vocabulary-split logits)."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        mine = self._staged(x.contiguous())
+        parts = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.group)
+        return torch.cat(parts, dim=-1).to(x.device)

@@ -39,9 +39,10 @@ class CachedExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.routing_log is not None:
             self.routing_log.moe(layer, ids)
-        y = torch.zeros(x.shape, dtype=torch.float32)
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         x = x.float()
-        experts = torch.unique(ids).tolist()
+        routed = ids.cpu()  # slot bookkeeping runs on the host whatever the device
+        experts = torch.unique(routed).tolist()
         # resident experts first: pinned before any miss can evict them
         experts.sort(key=lambda e: ((layer, e) not in self.pool, e))
         scan = x.shape[0] >= SCAN_TOKENS  # a prefill chunk: its misses go in cold (SlotPool.acquire)
@@ -50,7 +51,7 @@ class CachedExperts:
             slots = self._acquire(layer, wave, scan)
             try:
                 for e, slot in zip(wave, slots, strict=True):
-                    tok, k = torch.where(ids == e)
+                    tok, k = (i.to(x.device) for i in torch.where(routed == e))
                     w = weights[tok, k, None]
                     y[tok] += self.device.expert(self.slots, slot, self.layout, x[tok], w, self.limit)
             finally:  # a cancelled or failed step leaves no expert pinned

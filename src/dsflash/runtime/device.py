@@ -63,7 +63,8 @@ class Device(Protocol):
     def close(self) -> None: ...
 
 
-def _read(fd: int, view: memoryview, offset: int) -> None:
+def read_into(fd: int, view: memoryview, offset: int) -> None:
+    """Fill view from fd at offset (pread; a store that ends early is an error)."""
     got, nbytes = 0, len(view)
     while got < nbytes:  # short reads are legal
         n = os.preadv(fd, [view[got:]], offset + got)
@@ -99,12 +100,12 @@ class CpuDevice:
         view = memoryview(slots[slot])[:nbytes]
         parts = max(1, torch.get_num_threads()) if nbytes >= SPLIT_COPY_BYTES else 1
         if parts == 1:
-            _read(fd, view, offset)
+            read_into(fd, view, offset)
             return
         if self._copiers is None:
             self._copiers = ThreadPoolExecutor(parts, thread_name_prefix="dsflash-slot-copy")
         step = -(-nbytes // parts // 4096) * 4096  # page-aligned pieces
-        pieces = [self._copiers.submit(_read, fd, view[a : a + step], offset + a) for a in range(0, nbytes, step)]
+        pieces = [self._copiers.submit(read_into, fd, view[a : a + step], offset + a) for a in range(0, nbytes, step)]
         for p in pieces:  # every piece finishes (or fails) before the slot is used or reused
             p.exception()
         for p in pieces:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dsflash.checkpoint.index import Checkpoint
-from dsflash.runtime.rank import EngineOptions
+from dsflash.runtime.rank import EngineOptions, resolve_device
 from dsflash.runtime.workers import TPRunner, check_tp
 from dsflash.store.build import build_store
 
@@ -22,8 +22,10 @@ def start_runner(
     threads: int | None = None,
     progress: bool = False,
     prefill_matmul: str = "auto",
+    device: str = "auto",
 ) -> TPRunner:
     check_tp(ckpt.config, tp)
+    resolve_device(device)
     build_store(ckpt, cache_dir, tp=tp, fmt=expert_format, progress=progress, rebuild=True)
     opts = EngineOptions(
         str(ckpt.path),
@@ -35,5 +37,6 @@ def start_runner(
         qat=qat,
         threads=threads,
         prefill_matmul=prefill_matmul,
+        device=device,
     )
     return TPRunner(opts, tp, token_map, ckpt.config.vocab_size)

@@ -4,13 +4,16 @@ and its decode state. Every rank runs the same forward calls; only rank 0 sample
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.load import load_into
+from dsflash.errors import ConfigError
 from dsflash.model.block import Embedding
+from dsflash.model.engram import EngramTable
 from dsflash.model.parallel import TP
 from dsflash.model.transformer import Transformer
 from dsflash.runtime import native
@@ -45,6 +48,8 @@ class EngineOptions:
     # outputs: x and outputs rounded to bf16, and the rounding depends on the BLAS blocking, so TP degrees differ by
     # a bf16 ulp); auto: bf16x2 where the CPU has AMX, else fp32. fp32 and bf16x2 keep TP degrees equal to fp32 noise.
     prefill_matmul: str = "auto"
+    # where a rank computes: cpu, cuda (rank r on GPU r % count), or auto (cuda where torch sees a GPU)
+    device: str = "auto"
 
 
 def slot_count(requested: int, ckpt: Checkpoint) -> int:
@@ -64,6 +69,28 @@ def prefill_matmul(mode: str) -> str:
     return "bf16x2" if mode == "auto" else mode
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str) -> str:
+    """auto -> cuda where torch sees a GPU, else cpu; cuda without a GPU is refused."""
+    if name not in DEVICES:
+        raise ConfigError(f"device {name!r}: choose one of {', '.join(DEVICES)}")
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this torch build sees no CUDA GPU")
+    return name
+
+
+def rank_device(name: str, rank: int) -> torch.device:
+    """The torch device of TP rank `rank`: the GPU of its local rank (torchrun's LOCAL_RANK, else the rank)."""
+    if resolve_device(name) == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
 class RankRuntime:
     def __init__(self, opts: EngineOptions, tp: TP, token_map, device: Device | None = None):
         self.opts, self.tp = opts, tp
@@ -71,13 +98,23 @@ class RankRuntime:
         cfg = ckpt.config
         self.cfg = cfg
         matmul = MATMUL[prefill_matmul(opts.prefill_matmul)]
+        self.device = rank_device(opts.device, tp.rank)
         self.model = Transformer(cfg, tp=tp, token_map=token_map, qat=opts.qat, dspark=opts.dspark)
         load_into(self.model, ckpt)
-        if opts.dense_format != "fp32":
-            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu or opts.dense_format != "fp32":
             for m in self.model.modules():  # embedding rows are only gathered: bf16 halves them for free
                 if isinstance(m, Embedding):
                     m.weight.data = m.weight.data.bfloat16()
+        if on_gpu:
+            from dsflash.runtime import cuda
+
+            torch.cuda.set_device(self.device)
+            self.dense_bytes = cuda.pack_dense(self.model, self.device)
+            to_device(self.model, self.device)
+            device = device or cuda.CudaDevice(self.device)
+        elif opts.dense_format != "fp32":
+            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul)
         self.model.eval()
         store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
         ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
@@ -86,7 +123,7 @@ class RankRuntime:
         self.experts = CachedExperts(
             store, device, slot_count(opts.expert_slots, ckpt), tp.rank, cfg.swiglu_limit, self.routing_log
         )
-        self.state = self.model.new_state(opts.max_len)
+        self.state = self.model.new_state(opts.max_len, device=self.device)
 
     def reset(self) -> None:
         self.state.reset()
@@ -94,7 +131,9 @@ class RankRuntime:
             self.routing_log.reset()
 
     def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
-        """tokens [1, s] -> fp32 logits [1, s, V], or [1, 1, V] with last_only (every rank gets them gathered)."""
+        """tokens [1, s] -> fp32 logits [1, s, V], or [1, 1, V] with last_only (every rank gets them gathered),
+        on this rank's device."""
+        tokens = tokens.to(self.device)
         if self.routing_log is None:
             return self.model(tokens, start_pos, self.state, self.experts, last_only=last_only)
         self.routing_log.begin(start_pos, tokens.shape[1])
@@ -108,6 +147,20 @@ class RankRuntime:
 
     def close(self) -> None:
         self.experts.close()
+
+
+def to_device(model: torch.nn.Module, device: torch.device) -> None:
+    """Parameters and buffers onto the device, except the Engram tables: they stay mapped on the host and only
+    the looked-up rows travel (model/engram.py)."""
+    for m in model.modules():
+        if isinstance(m, EngramTable):
+            continue
+        for p in m._parameters.values():
+            if p is not None:
+                p.data = p.data.to(device)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
 
 
 def _routing_log(opts: EngineOptions, tp: TP, cfg):

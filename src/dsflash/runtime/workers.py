@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dsflash.config import ModelConfig
 from dsflash.errors import ConfigError, EngineDead
 from dsflash.model.parallel import TP
-from dsflash.runtime.rank import EngineOptions, RankRuntime
+from dsflash.runtime.rank import EngineOptions, RankRuntime, rank_device, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +40,37 @@ def _threads(opts: EngineOptions, world: int) -> int:
     return opts.threads or max(1, (os.cpu_count() or 1) // world)
 
 
-def _init(rank: int, world: int, init_method: str) -> TP:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    return TP.from_process_group()
+def _init(rank: int, world: int, init_method: str, device: str) -> tuple[TP, object]:
+    """Join the group -> (TP for the model's collectives, the group for step messages).
+
+    CPU ranks: gloo for both. CUDA ranks each on a GPU of their own: NCCL for the model, plus a gloo group for the
+    step messages (host tensors, which NCCL does not carry). CUDA ranks sharing a GPU (NCCL refuses that): gloo,
+    with the model's collectives staged through host memory."""
+    on_gpu = resolve_device(device) == "cuda"
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nccl = on_gpu and gpus >= local_world
+    if on_gpu:
+        torch.cuda.set_device(rank_device(device, rank))
+    dist.init_process_group(
+        "nccl" if nccl else "gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+    )
+    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if nccl else None
+    return TP.from_process_group(host_staging=on_gpu and not nccl), control
 
 
 def worker_main(rank: int, world: int, init_method: str, opts: EngineOptions, token_map, ready) -> None:
     """Entry point of ranks 1..N-1: build this rank, report, then follow rank 0's steps until STOP."""
     torch.set_num_threads(_threads(opts, world))
     try:
-        tp = _init(rank, world, init_method)
+        tp, control = _init(rank, world, init_method, opts.device)
         rt = RankRuntime(opts, tp, token_map)
     except BaseException as e:  # reported to rank 0 verbatim, then we exit
         ready.send(f"rank {rank}: {type(e).__name__}: {e}")
         return
     ready.send("ok")
     try:
-        follow(rt)
+        follow(rt, control)
     except RuntimeError as e:  # rank 0 went away mid-collective
         log.warning("rank %d: leaving: %s", rank, e)
     finally:
@@ -66,10 +79,10 @@ def worker_main(rank: int, world: int, init_method: str, opts: EngineOptions, to
             dist.destroy_process_group()
 
 
-def follow(rt: RankRuntime) -> None:
+def follow(rt: RankRuntime, control=None) -> None:
     header = torch.zeros(HEADER, dtype=torch.int64)
     while True:
-        dist.broadcast(header, src=0)
+        dist.broadcast(header, src=0, group=control)
         op, start_pos, n, last_only = (int(v) for v in header)
         if op == STOP:
             return
@@ -77,7 +90,7 @@ def follow(rt: RankRuntime) -> None:
             rt.reset()
         elif op == FORWARD:
             tokens = torch.empty(1, n, dtype=torch.int64)
-            dist.broadcast(tokens, src=0)
+            dist.broadcast(tokens, src=0, group=control)
             rt.forward(tokens, start_pos, bool(last_only))
 
 
@@ -100,6 +113,7 @@ class TPRunner:
         self.opts, self.world = opts, world
         self.max_len, self.vocab_size = opts.max_len, vocab_size
         self.procs: list[mp.process.BaseProcess] = []
+        self.control = None
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         pipes = []
@@ -116,7 +130,7 @@ class TPRunner:
             pipes.append(parent)
         torch.set_num_threads(_threads(opts, world))
         try:
-            self.tp = _init(0, world, init) if world > 1 else TP.single()
+            self.tp, self.control = _init(0, world, init, opts.device) if world > 1 else (TP.single(), None)
             self.rank0 = RankRuntime(opts, self.tp, token_map)
             for rank, pipe in enumerate(pipes, start=1):
                 msg = pipe.recv() if pipe.poll(600) else f"rank {rank}: did not start within 10 minutes"
@@ -131,7 +145,7 @@ class TPRunner:
             return
         header = torch.tensor([op, start_pos, n, int(last_only)], dtype=torch.int64)
         try:
-            dist.broadcast(header, src=0)
+            dist.broadcast(header, src=0, group=self.control)
         except RuntimeError as e:
             raise self._dead(e) from None
 
@@ -149,8 +163,8 @@ class TPRunner:
         self._step(FORWARD, start_pos, len(tokens), not all_logits)
         try:
             if self.world > 1:
-                dist.broadcast(t, src=0)
-            logits = self.rank0.forward(t, start_pos, not all_logits)[0]
+                dist.broadcast(t, src=0, group=self.control)
+            logits = self.rank0.forward(t, start_pos, not all_logits)[0].cpu()
         except RuntimeError as e:
             if self.world > 1 and any(not p.is_alive() for p in self.procs):
                 raise self._dead(e) from None

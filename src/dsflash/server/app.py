@@ -168,7 +168,7 @@ class App:
 
     def _error_reply(self, exc: Exception, where: str) -> Reply:
         status, body, headers = classify(exc)
-        if status >= 500:
+        if status == 500:  # unexpected; a 503 (still loading, draining, engine gone) is an answer, not a fault
             log.error("internal error in %s", where, exc_info=exc)
         return Reply(status, sse.dumps(body), headers=[(k.encode(), v.encode()) for k, v in headers])
 

@@ -24,6 +24,7 @@ class BootOptions:
     tp: int = 1
     expert_slots: int | None = None
     expert_format: str = "bfp4_b"
+    device: str = "auto"  # engine: cpu | cuda | auto (runtime.rank.resolve_device)
     max_queue: int = 64
     max_model_len: int | None = None  # overrides the profile's context
     cache_dir: str | None = None
@@ -161,8 +162,11 @@ class EngineBackend:
             raise ConfigError(f"--tp must be at least 1, got {opts.tp}")
         if opts.expert_slots is not None and opts.expert_slots < 1:
             raise ConfigError(f"--expert-slots must be at least 1, got {opts.expert_slots}")
+        from dsflash.runtime.rank import resolve_device
+
         self.opts = opts
-        self.name = f"engine (expert slot LRU over the {opts.expert_format} store, TP {opts.tp}, CPU device)"
+        where = resolve_device(opts.device).upper()
+        self.name = f"engine (expert slot LRU over the {opts.expert_format} store, TP {opts.tp}, {where} device)"
         self._runner = None
 
     def build_store(self, files: ModelFiles, cache: Path, rebuild: bool) -> str:
@@ -181,6 +185,7 @@ class EngineBackend:
             cache_dir=str(cache),
             threads=_threads(self.opts, files),
             record_routing=self.opts.record_routing,
+            device=self.opts.device,
         )
         cfg = files.ckpt.config
         # one call builds every rank: its dense shard, its store shard's slot pool, its decode state

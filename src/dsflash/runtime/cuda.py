@@ -1,0 +1,104 @@
+"""The CUDA device: expert slots in GPU memory filled from the store through pinned staging buffers, the routed
+expert FFN straight from a slot's bfp tiles, and dense weights kept in bf16 on the GPU. Every product is the Triton
+kernel of runtime/triton_linear.py (bf16 tensor-core products of x split in two bf16 terms, fp32 sums).
+
+Imported only when a rank runs on CUDA: the CPU engine needs neither triton nor a GPU. With TRITON_INTERPRET=1 the
+same classes run on CPU tensors (tests/unit/test_triton_linear.py checks the path that way where no GPU exists).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsflash.model.block import Head
+from dsflash.model.experts import swiglu
+from dsflash.model.layers import Linear
+from dsflash.runtime import triton_linear
+from dsflash.runtime.device import PackedMatrix, ShardLayout, read_into
+
+SLOT_ALIGN = 256  # bytes: every slot starts where a vector load of its tiles is aligned
+
+
+class CudaWeight:
+    """A dense matrix [O, I] in bf16 on the GPU (FP8 and bf16 checkpoint values are exact in bf16)."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        return triton_linear.linear(x.reshape(-1, x.shape[-1]), self.w, "bf16").view(*lead, -1)
+
+    def rows(self, start: int, stop: int) -> CudaWeight:
+        return CudaWeight(self.w[start:stop])
+
+
+def pack_dense(model: nn.Module, device: torch.device) -> int:
+    """Every matrix of `model` as a CudaWeight on `device`; returns the bytes they hold."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear | Head):
+            m.packed = CudaWeight(m.weight.data.to(device=device, dtype=torch.bfloat16).contiguous())
+            m.weight.data = torch.empty(0, device=device)
+            total += m.packed.w.numel() * 2
+    return total
+
+
+class CudaDevice:
+    """Device (runtime/device.py) on one GPU. A miss is read from the page cache into one of two pinned buffers
+    while the other's copy to the GPU is still in flight; copies and expert kernels share the current stream, so a
+    slot is never overwritten while a kernel still reads it."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._staging: list[torch.Tensor] = []
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._next = 0
+
+    def allocate(self, n_slots: int, nbytes: int) -> torch.Tensor:
+        stride = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        return torch.zeros((n_slots, stride), dtype=torch.uint8, device=self.device)
+
+    def _buffer(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        if not self._staging or self._staging[0].numel() < nbytes:
+            self.synchronize()
+            pin = self.device.type == "cuda"  # only pinned pages copy asynchronously
+            self._staging = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+            self._done = [None, None]
+        i, self._next = self._next, 1 - self._next
+        if self._done[i] is not None:
+            self._done[i].synchronize()  # its previous copy to the GPU has finished: the buffer may be refilled
+        return i, self._staging[i]
+
+    def load(self, slots: torch.Tensor, slot: int, fd: int, offset: int, nbytes: int) -> None:
+        i, buf = self._buffer(nbytes)
+        read_into(fd, memoryview(buf.numpy())[:nbytes], offset)
+        slots[slot, :nbytes].copy_(buf[:nbytes], non_blocking=True)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._done[i] = event
+
+    def synchronize(self) -> None:
+        for e in self._done:
+            if e is not None:
+                e.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+        self._staging = []
+
+    def expert(
+        self, slots: torch.Tensor, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        """Routed expert on tokens x [t, d] with routing weights w [t, 1] -> this rank's partial fp32 [t, d]."""
+        mem = slots[slot]
+
+        def apply(m: PackedMatrix, a: torch.Tensor) -> torch.Tensor:
+            return triton_linear.linear(a, mem[m.offset : m.offset + m.nbytes], layout.fmt, (m.rows, m.cols))
+
+        h = swiglu(apply(layout.w1, x), apply(layout.w3, x), limit) * w
+        return apply(layout.w2, h)[:, : x.shape[1]]

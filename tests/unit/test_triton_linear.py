@@ -1,0 +1,141 @@
+"""The CUDA path's kernel and device: the tile decoding byte for byte, the bf16x2 products, and a tiny model run end
+to end through CudaWeight and CudaDevice against the reference.
+
+Without a GPU they run on CPU tensors through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET); with
+DSFLASH_TEST_GPU=1 on a machine with one, the same tests run compiled on the GPU."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from dsflash.formats import bfp  # noqa: E402
+from dsflash.gates.compare import compare_logits  # noqa: E402
+from dsflash.runtime.cached_experts import CachedExperts  # noqa: E402
+from dsflash.runtime.loader import build_model, load_reference  # noqa: E402
+from dsflash.runtime.rank import to_device  # noqa: E402
+from dsflash.service.files import open_dir  # noqa: E402
+from dsflash.store.build import build_store, open_store  # noqa: E402
+from tests.model.conftest import ROOT  # noqa: E402
+
+
+def _interpreter_fixes():
+    """Triton 3.6's interpreter under NumPy 2: loop bounds arrive as 1-element arrays, and tl.dot multiplies bf16
+    operands as their raw uint16 storage. Both only in the interpreter; compiled kernels never see them."""
+    from triton.runtime import interpreter as it
+
+    if getattr(it, "_dsflash_fixed", False):
+        return
+    patch_tensor = it._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    dot = it.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, *args):
+        import triton.language as tl
+
+        def f32(h):
+            if h.dtype == tl.bfloat16:
+                return it.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return h
+
+        return dot(self, f32(a), f32(b), d, *args)
+
+    it._patch_lang_tensor = patched
+    it.InterpreterBuilder.create_dot = create_dot
+    it._dsflash_fixed = True
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRETED else "cuda"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if INTERPRETED:
+        _interpreter_fixes()
+    elif not torch.cuda.is_available():
+        pytest.skip("compiled Triton kernels need a GPU")
+    from dsflash.runtime import cuda, triton_linear
+
+    return triton_linear, cuda
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.double() @ w.double().T
+
+
+@pytest.mark.parametrize("fmt", ["bfp8_b", "bfp4_b"])
+@pytest.mark.parametrize(("n", "k", "m"), [(64, 96, 1), (32, 32, 3), (96, 128, 20), (64, 64, 70)])
+def test_tile_kernel_matches_the_unpacked_matrix(kernels, fmt, n, k, m):
+    """Every face, nibble and exponent lands where formats.bfp puts it: products equal x @ unpack(tiles)^T to the
+    bf16x2 rounding of x (2^-16 relative), for decode-sized and prefill-sized x, and for x narrower than the padded
+    columns."""
+    tl_, _ = kernels
+    g = torch.Generator().manual_seed(n * 1000 + k + m)
+    w = torch.randn(n, k, generator=g) * torch.exp(2 * torch.randn(n, k, generator=g))
+    w[0, :16] = 0  # an all-zero face row: exponent 0
+    w[1, 3] = -w[1, 3]
+    packed = torch.from_numpy(bfp.pack(w, fmt))
+    dense = torch.from_numpy(bfp.unpack(packed.numpy(), fmt, (n, k)))
+    x = torch.randn(m, k, generator=g)
+    for cols in (k, k - 32) if k > 32 else (k,):
+        got = tl_.linear(x[:, :cols].to(DEV), packed.to(DEV), fmt, (n, k)).cpu()
+        want = _exact(x[:, :cols], dense[:, :cols])
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        assert ((got.double() - want).abs() / want.abs().max()).max() < 4e-5
+
+
+def test_bf16_kernel_on_row_views(kernels):
+    tl_, cuda = kernels
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(80, 100, generator=g).bfloat16()
+    x = torch.randn(40, 100, generator=g)
+    weight = cuda.CudaWeight(w.to(DEV))
+    want = _exact(x, w.float())
+    got = weight.linear(x.to(DEV)).cpu()
+    assert (got.double() - want).abs().max() / want.abs().max() < 4e-5
+    assert (weight.rows(8, 40).linear(x.to(DEV)).cpu().double() - want[:, 8:40]).abs().max() / want.abs().max() < 4e-5
+    # decode-sized and prefill-sized blocks give a token the same outputs up to the order of fp32 sums
+    torch.testing.assert_close(got[2], weight.linear(x[2:3].to(DEV))[0].cpu(), rtol=1e-6, atol=1e-5)
+
+
+def test_kernel_refuses_what_it_cannot_read(kernels):
+    tl_, _ = kernels
+    tiles = torch.zeros(bfp.packed_size((32, 64), "bfp4_b"), dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        tl_.linear(torch.zeros(1, 64, device=DEV), tiles, "bfp4_b", (32, 48))
+    with pytest.raises(ValueError, match="do not hold"):
+        tl_.linear(torch.zeros(1, 64, device=DEV), tiles[:-1], "bfp4_b", (32, 64))
+    with pytest.raises(ValueError, match="columns"):
+        tl_.linear(torch.zeros(1, 96, device=DEV), tiles, "bfp4_b", (32, 64))
+
+
+def test_tiny_model_through_the_cuda_classes(kernels, tmp_path):
+    """Dense weights as CudaWeight, experts streamed through CudaDevice slots (2 slots: evictions), on tiny_a: the
+    logits are the reference's to the bf16x2 rounding (bfp8_b holds the FP4 experts exactly)."""
+    _, cuda = kernels
+    files = open_dir(ROOT / "tiny_a" / "model")
+    ckpt = files.ckpt
+    tokens = torch.tensor([files.tokenizer.encode("def add(a, b):\n    return a + b  # 42")[:10]])
+    ref = load_reference(ckpt, files.token_map, qat=False, dspark=False)
+    want = ref.model(tokens, 0, ref.model.new_state(16), ref.experts)
+
+    build_store(ckpt, str(tmp_path), tp=1, fmt="bfp8_b", progress=False)
+    model = build_model(ckpt, files.token_map, qat=False, dspark=False)
+    cuda.pack_dense(model, torch.device(DEV))
+    to_device(model, torch.device(DEV))
+    store = open_store(ckpt, str(tmp_path), tp=1, fmt="bfp8_b")
+    experts = CachedExperts(store, cuda.CudaDevice(DEV), 2, 0, ckpt.config.swiglu_limit)
+    state = model.new_state(16, device=DEV)
+    got = model(tokens[:, :8].to(DEV), 0, state, experts).cpu()
+    got_next = model(tokens[:, 8:9].to(DEV), 8, state, experts).cpu()
+    assert compare_logits(want[0, :8].numpy(), got[0].numpy())["max_abs"] < 2e-3
+    assert compare_logits(want[0, 8:9].numpy(), got_next[0].numpy())["max_abs"] < 2e-3
+    assert experts.pool.evictions > 0
