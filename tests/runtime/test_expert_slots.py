@@ -59,3 +59,15 @@ def test_large_copies_split_over_threads_arrive_whole(tmp_path):
     finally:
         os.close(fd)
         dev.close()
+
+
+def test_token_indices_for_a_gpu_travel_together():
+    """On a device the per-expert (token, column) indices are one transfer split per expert: same shapes, same
+    order as the host's."""
+    from dsflash.runtime.cached_experts import _token_indices
+
+    routed = torch.tensor([[0, 2], [2, 1], [0, 1], [3, 2]])
+    host = _token_indices(routed, [0, 1, 2, 3], torch.device("cpu"))
+    assert [t.tolist() for t, _ in host] == [[0, 2], [1, 2], [0, 1, 3], [3]]
+    moved = _token_indices(routed, [0, 1, 2, 3], torch.device("meta"))
+    assert [(t.device.type, t.shape, k.shape) for t, k in moved] == [("meta", t.shape, k.shape) for t, k in host]

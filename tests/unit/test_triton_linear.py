@@ -139,3 +139,28 @@ def test_tiny_model_through_the_cuda_classes(kernels, tmp_path):
     assert compare_logits(want[0, :8].numpy(), got[0].numpy())["max_abs"] < 2e-3
     assert compare_logits(want[0, 8:9].numpy(), got_next[0].numpy())["max_abs"] < 2e-3
     assert experts.pool.evictions > 0
+
+
+def test_device_loads_split_and_double_buffer(kernels, tmp_path):
+    """Misses go through two staging buffers: large ranges split over threads arrive whole, consecutive loads into
+    different slots do not overwrite each other, and a range past the store's end fails loudly."""
+    _, cuda = kernels
+    torch.set_num_threads(2)
+    data = np.random.default_rng(0).integers(0, 256, 6 << 20, dtype=np.uint8)
+    path = tmp_path / "store.bin"
+    data.tofile(path)
+    dev = cuda.CudaDevice(DEV)
+    slots = dev.allocate(3, 3 << 20)
+    assert slots.shape[1] % cuda.SLOT_ALIGN == 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for slot in range(3):
+            dev.load(slots, slot, fd, slot << 20, 3 << 20)
+        dev.synchronize()
+        for slot in range(3):
+            assert np.array_equal(slots[slot, : 3 << 20].cpu().numpy(), data[slot << 20 : (slot + 3) << 20])
+        with pytest.raises(OSError, match="ended early"):
+            dev.load(slots, 0, fd, 4 << 20, 3 << 20)
+    finally:
+        os.close(fd)
+        dev.close()

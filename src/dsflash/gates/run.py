@@ -12,6 +12,7 @@ from dsflash.gates.reference import reference_forward, runner_forward
 from dsflash.gates.suites import DEFAULT_TOKENS, Thresholds, gate_tokens, split
 from dsflash.runtime.launch import start_runner
 from dsflash.runtime.loader import load_reference
+from dsflash.runtime.rank import resolve_device
 from dsflash.runtime.scoring import decode_logits, prefill_logits
 from dsflash.service.files import ModelFiles
 
@@ -115,6 +116,6 @@ def run_gates(
         "tokens": len(ids),
         "prefill": prefill,
         "qat": qat,
-        "device": device,
+        "device": resolve_device(device),
     }
     return out

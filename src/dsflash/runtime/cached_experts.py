@@ -50,8 +50,7 @@ class CachedExperts:
             wave = experts[start : start + self.pool.n_slots]
             slots = self._acquire(layer, wave, scan)
             try:
-                for e, slot in zip(wave, slots, strict=True):
-                    tok, k = (i.to(x.device) for i in torch.where(routed == e))
+                for slot, (tok, k) in zip(slots, _token_indices(routed, wave, x.device), strict=True):
                     w = weights[tok, k, None]
                     y[tok] += self.device.expert(self.slots, slot, self.layout, x[tok], w, self.limit)
             finally:  # a cancelled or failed step leaves no expert pinned
@@ -100,3 +99,13 @@ class CachedExperts:
         self._fds.clear()
         if self.routing_log is not None:
             self.routing_log.close()
+
+
+def _token_indices(routed: torch.Tensor, experts: list[int], device: torch.device) -> list[tuple]:
+    """(tokens, top-k columns) routed to each expert, computed on the host; on a GPU they travel in one copy, not
+    one blocking copy per expert."""
+    found = [torch.where(routed == e) for e in experts]
+    if device.type == "cpu":
+        return found
+    flat = torch.cat([torch.stack(f) for f in found], dim=1).to(device)
+    return [(p[0], p[1]) for p in flat.split([len(f[0]) for f in found], dim=1)]

@@ -15,7 +15,7 @@ from dsflash.model.block import Head
 from dsflash.model.experts import swiglu
 from dsflash.model.layers import Linear
 from dsflash.runtime import triton_linear
-from dsflash.runtime.device import PackedMatrix, ShardLayout, read_into
+from dsflash.runtime.device import PackedMatrix, ShardLayout, SplitReader
 
 SLOT_ALIGN = 256  # bytes: every slot starts where a vector load of its tiles is aligned
 
@@ -32,6 +32,11 @@ class CudaWeight:
 
     def rows(self, start: int, stop: int) -> CudaWeight:
         return CudaWeight(self.w[start:stop])
+
+
+def warm_up(device: torch.device, expert_format: str) -> None:
+    """Compile the kernel variants a forward uses (dense bf16 and the expert format, decode and prefill blocks)."""
+    triton_linear.warm_up(device, ("bf16", expert_format))
 
 
 def pack_dense(model: nn.Module, device: torch.device) -> int:
@@ -57,6 +62,7 @@ class CudaDevice:
         self._staging: list[torch.Tensor] = []
         self._done: list[torch.cuda.Event | None] = [None, None]
         self._next = 0
+        self._read = SplitReader()  # one thread reads the page cache at ~8 GB/s; the link takes ~55
 
     def allocate(self, n_slots: int, nbytes: int) -> torch.Tensor:
         stride = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
@@ -75,7 +81,7 @@ class CudaDevice:
 
     def load(self, slots: torch.Tensor, slot: int, fd: int, offset: int, nbytes: int) -> None:
         i, buf = self._buffer(nbytes)
-        read_into(fd, memoryview(buf.numpy())[:nbytes], offset)
+        self._read(fd, memoryview(buf.numpy())[:nbytes], offset)
         slots[slot, :nbytes].copy_(buf[:nbytes], non_blocking=True)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -90,6 +96,7 @@ class CudaDevice:
     def close(self) -> None:
         self.synchronize()
         self._staging = []
+        self._read.close()
 
     def expert(
         self, slots: torch.Tensor, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float

@@ -73,6 +73,35 @@ def read_into(fd: int, view: memoryview, offset: int) -> None:
         got += n
 
 
+class SplitReader:
+    """Reads a store range into memory, split over torch's thread count in page-aligned pieces above
+    SPLIT_COPY_BYTES. Every piece finishes (or fails) before the call returns, so the target is never used or
+    reused while a thread still writes it."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __call__(self, fd: int, view: memoryview, offset: int) -> None:
+        nbytes = len(view)
+        parts = max(1, torch.get_num_threads()) if nbytes >= SPLIT_COPY_BYTES else 1
+        if parts == 1:
+            read_into(fd, view, offset)
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(parts, thread_name_prefix="dsflash-slot-copy")
+        step = -(-nbytes // parts // 4096) * 4096
+        pieces = [self._pool.submit(read_into, fd, view[a : a + step], offset + a) for a in range(0, nbytes, step)]
+        for p in pieces:
+            p.exception()
+        for p in pieces:
+            p.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
 class CpuDevice:
     """Slots in process memory; experts computed by the native block-float kernels (runtime/native.py).
 
@@ -85,7 +114,7 @@ class CpuDevice:
 
     def __init__(self, matmul_dtype: torch.dtype | str = torch.float32):
         self.matmul_dtype = matmul_dtype
-        self._copiers: ThreadPoolExecutor | None = None
+        self._read = SplitReader()
 
     def allocate(self, n_slots: int, nbytes: int) -> np.ndarray:
         """uint8 [n_slots, nbytes], page-aligned, touched once so the pool is resident from the start."""
@@ -97,24 +126,10 @@ class CpuDevice:
         return slots
 
     def load(self, slots: np.ndarray, slot: int, fd: int, offset: int, nbytes: int) -> None:
-        view = memoryview(slots[slot])[:nbytes]
-        parts = max(1, torch.get_num_threads()) if nbytes >= SPLIT_COPY_BYTES else 1
-        if parts == 1:
-            read_into(fd, view, offset)
-            return
-        if self._copiers is None:
-            self._copiers = ThreadPoolExecutor(parts, thread_name_prefix="dsflash-slot-copy")
-        step = -(-nbytes // parts // 4096) * 4096  # page-aligned pieces
-        pieces = [self._copiers.submit(read_into, fd, view[a : a + step], offset + a) for a in range(0, nbytes, step)]
-        for p in pieces:  # every piece finishes (or fails) before the slot is used or reused
-            p.exception()
-        for p in pieces:
-            p.result()
+        self._read(fd, memoryview(slots[slot])[:nbytes], offset)
 
     def close(self) -> None:
-        if self._copiers is not None:
-            self._copiers.shutdown(wait=True)
-            self._copiers = None
+        self._read.close()
 
     def expert(
         self, slots: np.ndarray, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float

@@ -113,6 +113,7 @@ class RankRuntime:
             self.dense_bytes = cuda.pack_dense(self.model, self.device)
             to_device(self.model, self.device)
             device = device or cuda.CudaDevice(self.device)
+            cuda.warm_up(self.device, opts.expert_format)
         elif opts.dense_format != "fp32":
             self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul)
         self.model.eval()

@@ -57,7 +57,8 @@ def _decode_tile_block(
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
-@triton.jit
+# M (rows of x) and the tile grid's width vary per call; specializing on them would compile a variant per value
+@triton.jit(do_not_specialize=["M", "tiles_per_row"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -112,6 +113,19 @@ def _blocks(m: int, fmt: int) -> tuple[int, int, int]:
     rows. bfp blocks cover whole 32x32 tiles."""
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     return bm, 32, 64
+
+
+def warm_up(device: torch.device, fmts: tuple[str, ...]) -> None:
+    """Compile the kernel for each format and row-block size before the first request needs it (a compile takes
+    about a second; a prefill would otherwise pay it inside its TTFT). Shapes here have the same divisibility as
+    the model's, so they hit the same compiled variants."""
+    for fmt in fmts:
+        if FORMATS[fmt]:
+            w = torch.zeros(_TILE_BYTES[FORMATS[fmt]] * 4, dtype=torch.uint8, device=device)
+        else:
+            w = torch.zeros(64, 64, dtype=torch.bfloat16, device=device)
+        for m in (1, 32, 64):
+            linear(torch.zeros(m, 64, device=device), w, fmt, (64, 64))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, fmt: str, shape: tuple[int, int] | None = None) -> torch.Tensor:

@@ -1,8 +1,13 @@
 """Tensor-parallel ranks: start them, drive them with fixed-shape step messages from rank 0, stop them.
 
-Rank 0 lives in the serving process and owns the request loop. Ranks 1..N-1 are spawned processes (or, under
-torchrun, processes of their own on any host) that loop on a broadcast step header: forward / reset / stop.
-A rank that dies breaks the next collective on rank 0, which then fails with EngineDead naming it: never a hang.
+Rank 0 lives in the serving process and owns the request loop. Ranks 1..N-1 are spawned processes, or, under
+torchrun (any number of hosts), the other processes torchrun started: every `dsflash` command there becomes a
+follower that takes the engine options from rank 0. Followers loop on a broadcast step header: forward / reset /
+stop. A rank that dies breaks the next collective on rank 0, which then fails with EngineDead naming it: never a
+hang (under torchrun, its agent also ends the others when one fails).
+
+Step messages and start-up travel over a gloo group (host tensors and objects); the model's collectives over NCCL
+when every rank has a GPU of its own, else over the same gloo group (runtime.rank.rank_device, model.parallel.TP).
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dsflash.checkpoint.index import Checkpoint
 from dsflash.config import ModelConfig
 from dsflash.errors import ConfigError, EngineDead
 from dsflash.model.parallel import TP
 from dsflash.runtime.rank import EngineOptions, RankRuntime, rank_device, resolve_device
+from dsflash.runtime.torchrun import launched_rank
+from dsflash.store.build import build_store
 
 log = logging.getLogger(__name__)
 
@@ -36,41 +44,79 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _local_world(world: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
 def _threads(opts: EngineOptions, world: int) -> int:
-    return opts.threads or max(1, (os.cpu_count() or 1) // world)
+    return opts.threads or max(1, (os.cpu_count() or 1) // _local_world(world))
 
 
-def _init(rank: int, world: int, init_method: str, device: str) -> tuple[TP, object]:
-    """Join the group -> (TP for the model's collectives, the group for step messages).
+def _join(rank: int, world: int, init_method: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
 
-    CPU ranks: gloo for both. CUDA ranks each on a GPU of their own: NCCL for the model, plus a gloo group for the
-    step messages (host tensors, which NCCL does not carry). CUDA ranks sharing a GPU (NCCL refuses that): gloo,
-    with the model's collectives staged through host memory."""
+
+def _model_group(device: str, rank: int, world: int) -> TP:
+    """The TP context for the model's collectives (every rank calls this, in the same order).
+
+    CPU ranks: the gloo group. CUDA ranks each on a GPU of their own: an NCCL group. CUDA ranks sharing a GPU (NCCL
+    refuses that): the gloo group, with the collectives staged through host memory."""
     on_gpu = resolve_device(device) == "cuda"
-    gpus = torch.cuda.device_count() if on_gpu else 0
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    nccl = on_gpu and gpus >= local_world
+    nccl = on_gpu and torch.cuda.device_count() >= _local_world(world)
     if on_gpu:
         torch.cuda.set_device(rank_device(device, rank))
-    dist.init_process_group(
-        "nccl" if nccl else "gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
-    )
-    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if nccl else None
-    return TP.from_process_group(host_staging=on_gpu and not nccl), control
+    group = dist.new_group(backend="nccl", timeout=COLLECTIVE_TIMEOUT) if nccl else None
+    return TP.from_process_group(group, host_staging=on_gpu and not nccl)
 
 
 def worker_main(rank: int, world: int, init_method: str, opts: EngineOptions, token_map, ready) -> None:
-    """Entry point of ranks 1..N-1: build this rank, report, then follow rank 0's steps until STOP."""
+    """Entry point of spawned ranks 1..N-1: build this rank, report, then follow rank 0's steps until STOP."""
     torch.set_num_threads(_threads(opts, world))
     try:
-        tp, control = _init(rank, world, init_method, opts.device)
-        rt = RankRuntime(opts, tp, token_map)
+        _join(rank, world, init_method)
+        rt = RankRuntime(opts, _model_group(opts.device, rank, world), token_map)
     except BaseException as e:  # reported to rank 0 verbatim, then we exit
         ready.send(f"rank {rank}: {type(e).__name__}: {e}")
         return
     ready.send("ok")
+    _follow_until_stopped(rt, rank)
+
+
+def torchrun_follower() -> int:
+    """Entry point of ranks 1..N-1 under torchrun, whatever command they were given: take the engine options from
+    rank 0, build this rank (and this host's store, on its first local rank), report, follow. -> exit code."""
+    rank, world, local_rank, _ = launched_rank()
+    _join(rank, world, "env://")
+    box = [None, None]
+    dist.broadcast_object_list(box, src=0)
+    opts, token_map = box
+    if opts is None:  # rank 0 gave up before starting the engine
+        dist.destroy_process_group()
+        return 1
+    torch.set_num_threads(_threads(opts, world))
+    tp = _model_group(opts.device, rank, world)
+    rt, status = None, "ok"
     try:
-        follow(rt, control)
+        if local_rank == 0:  # another host: its page cache serves its own copy of the store
+            build_store(Checkpoint.open(opts.model_dir), opts.cache_dir, tp=world, fmt=opts.expert_format,
+                        progress=False, rebuild=True)  # fmt: skip
+        rt = RankRuntime(opts, tp, token_map)
+    except Exception as e:
+        status = f"rank {rank}: {type(e).__name__}: {e}"
+    statuses: list = [None] * world
+    dist.all_gather_object(statuses, status)
+    if rt is None or any(s != "ok" for s in statuses):
+        if rt is not None:
+            rt.close()
+        dist.destroy_process_group()
+        return 1
+    _follow_until_stopped(rt, rank)
+    return 0
+
+
+def _follow_until_stopped(rt: RankRuntime, rank: int) -> None:
+    try:
+        follow(rt)
     except RuntimeError as e:  # rank 0 went away mid-collective
         log.warning("rank %d: leaving: %s", rank, e)
     finally:
@@ -79,10 +125,10 @@ def worker_main(rank: int, world: int, init_method: str, opts: EngineOptions, to
             dist.destroy_process_group()
 
 
-def follow(rt: RankRuntime, control=None) -> None:
+def follow(rt: RankRuntime) -> None:
     header = torch.zeros(HEADER, dtype=torch.int64)
     while True:
-        dist.broadcast(header, src=0, group=control)
+        dist.broadcast(header, src=0)
         op, start_pos, n, last_only = (int(v) for v in header)
         if op == STOP:
             return
@@ -90,7 +136,7 @@ def follow(rt: RankRuntime, control=None) -> None:
             rt.reset()
         elif op == FORWARD:
             tokens = torch.empty(1, n, dtype=torch.int64)
-            dist.broadcast(tokens, src=0, group=control)
+            dist.broadcast(tokens, src=0)
             rt.forward(tokens, start_pos, bool(last_only))
 
 
@@ -106,14 +152,18 @@ def check_tp(cfg: ModelConfig, world: int) -> None:
 
 
 class TPRunner:
-    """The Engine's Runner over N ranks; rank 0 runs in this process."""
+    """The Engine's Runner over N ranks; rank 0 runs in this process. Under torchrun the other ranks are torchrun's
+    processes (torchrun_follower); otherwise this spawns them."""
 
     def __init__(self, opts: EngineOptions, world: int, token_map, vocab_size: int):
         check_tp(ModelConfig.from_file(opts.model_dir), world)
         self.opts, self.world = opts, world
         self.max_len, self.vocab_size = opts.max_len, vocab_size
         self.procs: list[mp.process.BaseProcess] = []
-        self.control = None
+        launched = launched_rank()
+        if launched is not None:
+            self._join_torchrun(launched, token_map)
+            return
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         pipes = []
@@ -130,7 +180,11 @@ class TPRunner:
             pipes.append(parent)
         torch.set_num_threads(_threads(opts, world))
         try:
-            self.tp, self.control = _init(0, world, init, opts.device) if world > 1 else (TP.single(), None)
+            if world > 1:
+                _join(0, world, init)
+                self.tp = _model_group(opts.device, 0, world)
+            else:
+                self.tp = TP.single()
             self.rank0 = RankRuntime(opts, self.tp, token_map)
             for rank, pipe in enumerate(pipes, start=1):
                 msg = pipe.recv() if pipe.poll(600) else f"rank {rank}: did not start within 10 minutes"
@@ -140,12 +194,38 @@ class TPRunner:
             self._kill()
             raise
 
+    def _join_torchrun(self, launched: tuple[int, int, int, int], token_map) -> None:
+        rank, size = launched[:2]
+        if rank != 0 or size != self.world:
+            raise ConfigError(
+                f"torchrun started {size} processes; the engine's tensor-parallel degree is {self.world}: "
+                "give --tp the same number as torchrun's processes in all"
+            )
+        _join(0, size, "env://")
+        dist.broadcast_object_list([self.opts, token_map], src=0)
+        self.tp = _model_group(self.opts.device, 0, size)
+        status, error = "ok", None
+        try:
+            self.rank0 = RankRuntime(self.opts, self.tp, token_map)
+        except Exception as e:
+            status, error = f"rank 0: {type(e).__name__}: {e}", e
+        statuses: list = [None] * size
+        dist.all_gather_object(statuses, status)
+        failed = [s for s in statuses if s != "ok"]
+        if failed:
+            if error is None:
+                self.rank0.close()
+            dist.destroy_process_group()
+            if error is not None:
+                raise error
+            raise EngineDead(f"tensor-parallel {failed[0]}")
+
     def _step(self, op: int, start_pos: int = 0, n: int = 0, last_only: bool = False) -> None:
         if self.world == 1:
             return
         header = torch.tensor([op, start_pos, n, int(last_only)], dtype=torch.int64)
         try:
-            dist.broadcast(header, src=0, group=self.control)
+            dist.broadcast(header, src=0)
         except RuntimeError as e:
             raise self._dead(e) from None
 
@@ -163,7 +243,7 @@ class TPRunner:
         self._step(FORWARD, start_pos, len(tokens), not all_logits)
         try:
             if self.world > 1:
-                dist.broadcast(t, src=0, group=self.control)
+                dist.broadcast(t, src=0)
             logits = self.rank0.forward(t, start_pos, not all_logits)[0].cpu()
         except RuntimeError as e:
             if self.world > 1 and any(not p.is_alive() for p in self.procs):
