@@ -98,3 +98,22 @@ def test_amx_products_are_fp32_grade_and_row_independent(m, n, k):
         assert (y - want).abs().max() < 1e-5 * (1 + want.abs().max()), name
         assert torch.equal(native.amx_linear(x, expand(32, n).clone()), y[:, 32:]), name
         assert torch.equal(native.amx_linear(x[:5], expand(0, n).clone()), y[:5]), name
+
+
+def test_fused_sinkhorn_is_the_models(kernels):
+    """One C call for mHC's Sinkhorn: the torch version's result to float32 rounding, decode-sized and prefill-sized,
+    including rows whose logits differ by hundreds (the softmax's max subtraction matters there)."""
+    from dsflash.model.mhc import sinkhorn
+
+    if kernels == "none":  # no compiler: the runtime keeps the torch version
+        assert native.sinkhorn(torch.zeros(1, 4, 4), 20, 1e-6) is None
+        return
+    g = torch.Generator().manual_seed(3)
+    for shape in ((1, 1, 4, 4), (2, 37, 4, 4)):
+        c = torch.randn(*shape, generator=g) * 4
+        c[0, 0, 1] *= 100
+        want = sinkhorn(c, 20, 1e-6)
+        got = native.sinkhorn(c, 20, 1e-6)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+        assert not torch.equal(got, c)  # a fresh result; the input is left as it was
+    assert native.sinkhorn(torch.zeros(0, 4, 4), 20, 1e-6).shape == (0, 4, 4)

@@ -164,3 +164,15 @@ def test_device_loads_split_and_double_buffer(kernels, tmp_path):
     finally:
         os.close(fd)
         dev.close()
+
+
+def test_sinkhorn_kernel_is_the_models(kernels):
+    from dsflash.model.mhc import sinkhorn
+    from dsflash.runtime import triton_mhc
+
+    g = torch.Generator().manual_seed(5)
+    c = torch.randn(2, 9, 4, 4, generator=g) * 4
+    torch.testing.assert_close(
+        triton_mhc.sinkhorn(c.to(DEV), 20, 1e-6).cpu(), sinkhorn(c, 20, 1e-6), rtol=2e-6, atol=1e-7
+    )
+    assert triton_mhc.sinkhorn(torch.zeros(1, 3, 3, device=DEV), 20, 1e-6) is None  # not a power of two: torch's

@@ -7,9 +7,17 @@ import torch.nn.functional as F
 
 
 def mixes(
-    x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float, hc_eps: float
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    eps: float,
+    hc_eps: float,
+    normalize=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [b, s, hc, d], fn [(2+hc)hc, hc*d] -> pre [b, s, hc], post [b, s, hc], comb [b, s, hc(src), hc(dst)]."""
+    """x [b, s, hc, d], fn [(2+hc)hc, hc*d] -> pre [b, s, hc], post [b, s, hc], comb [b, s, hc(src), hc(dst)].
+    normalize: the Sinkhorn implementation (default `sinkhorn`; a runtime may pass a fused kernel of the same math)."""
     hc = x.shape[2]
     flat = x.flatten(2).float()
     # one RMS statistic per token over all hc*d values, applied after the projection
@@ -17,7 +25,7 @@ def mixes(
     pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
-    return pre, post, sinkhorn(comb, iters, hc_eps)
+    return pre, post, (normalize or sinkhorn)(comb, iters, hc_eps)
 
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The engine's CPU kernels (csrc/*.c: block-float experts, FP8 / bf16 dense GEMV, AMX prefill products): compiled
+"""The engine's CPU kernels (csrc/*.c: block-float experts, FP8 / bf16 dense GEMV, AMX prefill products, mHC's
+Sinkhorn): compiled
 at first use with the system C compiler, cached, and called through ctypes (which releases the GIL); the kernels
 split their rows over torch's OpenMP threads themselves. Without a compiler the same operations fall back to torch
 (correct, slower)."""
@@ -50,7 +51,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
         log.warning("no C compiler found: the engine's CPU kernels fall back to torch (slower)")
         return None
     csrc = resources.files("dsflash.runtime") / "csrc"
-    names = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c")
+    names = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c", "mhc_cpu.c")
     src = b"".join((csrc / n).read_bytes() for n in names)
     key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_signature()).hexdigest()[:16]
     out = cache_dir() / f"dsflash_cpu-{key}.so"
@@ -79,6 +80,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], i
     lib.amx_linear.argtypes = [p, i, i, p, i, i, i, p]
     lib.split_vnni.argtypes = [p, i, i, p, i, i]
+    lib.sinkhorn.argtypes = [p, ctypes.c_int64, i, i, ctypes.c_float]
     return lib
 
 
@@ -184,6 +186,18 @@ def fp8_dequant(
     out = scratch((O, I), dtype)
     bf16 = int(dtype == torch.bfloat16)
     k.fp8_expand(w.data_ptr(), scale256.data_ptr(), O, I, block, out.data_ptr(), bf16, 0, O)
+    return out
+
+
+def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor | None:
+    """model.mhc.sinkhorn fused: c [..., hc, hc] -> fp32, the same operations in the same order (sums of hc terms
+    may round differently by an ulp); None without kernels or off the CPU."""
+    k = lib()
+    if k is None or c.device.type != "cpu":
+        return None
+    hc = c.shape[-1]
+    out = c.float().contiguous().clone()
+    k.sinkhorn(out.data_ptr(), out.numel() // (hc * hc), hc, iters, eps)
     return out
 
 
