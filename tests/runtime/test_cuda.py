@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsflash.gates.compare import compare_logits
-from dsflash.gates.run import engine_scores, gate_ids, reference_scores, report
+from dsflash.gates.run import engine_scores, report
 from dsflash.service.files import open_dir
 from tests.model.conftest import ROOT
 
@@ -21,20 +21,6 @@ pytestmark = [
         reason="needs a CUDA GPU and DSFLASH_TEST_GPU=1",
     ),
 ]
-
-TOKENS = 120
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("stores"))
-
-
-@pytest.fixture(scope="module", params=["tiny_a", "tiny_b"])
-def setup(request):
-    files = open_dir(ROOT / request.param / "model")
-    ids, prefill = gate_ids(files, TOKENS)
-    return files, ids, prefill, reference_scores(files, ids, prefill)
 
 
 def test_cuda_engine_is_the_reference_with_bfp8_at_every_tp(setup, cache):

@@ -8,7 +8,7 @@ from dsflash.errors import ConfigError
 from dsflash.formats import bfp
 from dsflash.gates.compare import compare_logits
 from dsflash.gates.reference import reference_forward
-from dsflash.gates.run import Scores, _score, engine_scores, gate_ids, reference_scores, report
+from dsflash.gates.run import Scores, _score, engine_scores, gate_ids, report
 from dsflash.model.experts import ResidentExperts
 from dsflash.runtime.loader import LoadedModel, load_reference
 from dsflash.runtime.rank import EngineOptions
@@ -16,20 +16,6 @@ from dsflash.runtime.workers import TPRunner
 from dsflash.service.files import open_dir
 from dsflash.store.build import build_store
 from tests.model.conftest import ROOT
-
-TOKENS = 120  # 80 prefill + 40 teacher-forced decode steps: enough decisive positions on the tiny fixtures
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("stores"))
-
-
-@pytest.fixture(scope="module", params=["tiny_a", "tiny_b"])
-def setup(request):
-    files = open_dir(ROOT / request.param / "model")
-    ids, prefill = gate_ids(files, TOKENS)
-    return files, ids, prefill, reference_scores(files, ids, prefill)
 
 
 def _tp_degrees(files):

@@ -87,12 +87,9 @@ def torchrun_follower() -> int:
     rank 0, build this rank (and this host's store, on its first local rank), report, follow. -> exit code."""
     rank, world, local_rank, _ = launched_rank()
     _join(rank, world, "env://")
-    box = [None, None]
+    box = [None, None]  # rank 0 sends them once it has joined; if it fails before that, torchrun ends us
     dist.broadcast_object_list(box, src=0)
     opts, token_map = box
-    if opts is None:  # rank 0 gave up before starting the engine
-        dist.destroy_process_group()
-        return 1
     torch.set_num_threads(_threads(opts, world))
     tp = _model_group(opts.device, rank, world)
     rt, status = None, "ok"
