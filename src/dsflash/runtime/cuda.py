@@ -34,11 +34,6 @@ class CudaWeight:
         return CudaWeight(self.w[start:stop])
 
 
-def warm_up(device: torch.device, expert_format: str) -> None:
-    """Compile the kernel variants a forward uses (dense bf16 and the expert format, decode and prefill blocks)."""
-    triton_linear.warm_up(device, ("bf16", expert_format))
-
-
 def pack_dense(model: nn.Module, device: torch.device) -> int:
     """Every matrix of `model` as a CudaWeight on `device`; returns the bytes they hold."""
     total = 0

@@ -108,13 +108,13 @@ class RankRuntime:
                 if isinstance(m, Embedding):
                     m.weight.data = m.weight.data.bfloat16()
         if on_gpu:
-            from dsflash.runtime import cuda
+            from dsflash.runtime import cuda, triton_linear
 
             torch.cuda.set_device(self.device)
             self.dense_bytes = cuda.pack_dense(self.model, self.device)
             to_device(self.model, self.device)
             device = device or cuda.CudaDevice(self.device)
-            cuda.warm_up(self.device, opts.expert_format)
+            triton_linear.warm_up(self.device, ("bf16", opts.expert_format))  # dense and expert kernels
         elif opts.dense_format != "fp32":
             self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul)
         _fuse_sinkhorn(self.model, on_gpu)

@@ -21,18 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-FORMATS = {"bf16": 0, "bfp8_b": 1, "bfp4_b": 2}
-_MBITS = {1: 7, 2: 3}
-_TILE_BYTES = {1: 1088, 2: 576}
+from dsflash.formats import bfp
 
 
 @triton.jit
-def _decode_tile_block(
-    w_ptr, n0, k0, N, tiles_per_row, BN: tl.constexpr, BK: tl.constexpr, M: tl.constexpr, TB: tl.constexpr
-):
-    """The [BN, BK] block of W at (n0, k0) from bfp tiles with M magnitude bits per code and TB bytes per tile, as
-    bf16 (exact: at most 8 significant bits); zeros outside the matrix."""
+def _decode_tile_block(w_ptr, n0, k0, N, tiles_per_row, BN: tl.constexpr, BK: tl.constexpr, M: tl.constexpr):
+    """The [BN, BK] block of W at (n0, k0) from bfp tiles with M magnitude bits per code, as bf16 (exact: at most 8
+    significant bits); zeros outside the matrix."""
     RB: tl.constexpr = 2 * (M + 1)  # code bytes per face row
+    TB: tl.constexpr = 64 + 16 * 4 * RB  # a tile: 64 exponent bytes, then 64 face rows (bfp.tile_bytes)
     n = n0 + tl.arange(0, BN)[:, None]
     k = k0 + tl.arange(0, BK)[None, :]
     tile = (n // 32).to(tl.int64) * tiles_per_row + k // 32
@@ -70,9 +67,7 @@ def _linear_kernel(
     stride_wn,
     stride_ym,
     tiles_per_row,
-    FMT: tl.constexpr,
-    MBITS: tl.constexpr,
-    TILE_BYTES: tl.constexpr,
+    MBITS: tl.constexpr,  # 0: W is bf16 rows; 7 / 3: bfp8_b / bfp4_b tiles
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -92,14 +87,14 @@ def _linear_kernel(
         )
         hi = x.to(tl.bfloat16)
         lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
-        if FMT == 0:
+        if MBITS == 0:
             w = tl.load(
                 w_ptr + rn[:, None].to(tl.int64) * stride_wn + kk[None, :],
                 mask=(rn[:, None] < N) & (kk[None, :] < K),
                 other=0.0,
             )
         else:
-            w = _decode_tile_block(w_ptr, pid_n * BN, k0, N, tiles_per_row, BN, BK, MBITS, TILE_BYTES)
+            w = _decode_tile_block(w_ptr, pid_n * BN, k0, N, tiles_per_row, BN, BK, MBITS)
         wt = tl.trans(w)
         acc = tl.dot(hi, wt, acc)
         acc = tl.dot(lo, wt, acc)
@@ -107,7 +102,7 @@ def _linear_kernel(
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _blocks(m: int, fmt: int) -> tuple[int, int, int]:
+def _blocks(m: int) -> tuple[int, int, int]:
     """(BM, BN, BK): decode keeps BM at the 16 rows a tensor-core product needs and narrows BN so a matrix spreads
     over enough programs to stream at full bandwidth; prefill widens BM so each decoded weight block serves more
     rows. bfp blocks cover whole 32x32 tiles."""
@@ -120,10 +115,10 @@ def warm_up(device: torch.device, fmts: tuple[str, ...]) -> None:
     about a second; a prefill would otherwise pay it inside its TTFT). Shapes here have the same divisibility as
     the model's, so they hit the same compiled variants."""
     for fmt in fmts:
-        if FORMATS[fmt]:
-            w = torch.zeros(_TILE_BYTES[FORMATS[fmt]] * 4, dtype=torch.uint8, device=device)
-        else:
+        if fmt == "bf16":
             w = torch.zeros(64, 64, dtype=torch.bfloat16, device=device)
+        else:
+            w = torch.zeros(bfp.packed_size((64, 64), fmt), dtype=torch.uint8, device=device)
         for m in (1, 32, 64):
             linear(torch.zeros(m, 64, device=device), w, fmt, (64, 64))
 
@@ -134,12 +129,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, fmt: str, shape: tuple[int, int] | 
     fmt "bf16": w is bf16 [N, K] (rows may be strided, columns contiguous). fmt "bfp8_b"/"bfp4_b": w is the uint8
     tile bytes of a [N, K] matrix whose sides are multiples of 32 (`shape`); x's K may be narrower than the padded
     columns (the missing columns count as zeros)."""
-    code = FORMATS[fmt]
+    mbits = 0 if fmt == "bf16" else bfp.MANTISSA_BITS.get(fmt)
+    if mbits is None:
+        raise ValueError(f"unknown weight format {fmt!r}")
     x = x.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    if code == 0:
+    if mbits == 0:
         if w.dtype != torch.bfloat16 or w.stride(-1) != 1:
             raise ValueError("bf16 linear needs a bf16 weight with contiguous rows")
         n, kw = w.shape
@@ -148,7 +145,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, fmt: str, shape: tuple[int, int] | 
         n, kw = shape
         if n % 32 or kw % 32:
             raise ValueError(f"bfp tiles cover multiples of 32, got {shape}")
-        if w.dtype != torch.uint8 or w.numel() != (n // 32) * (kw // 32) * _TILE_BYTES[code]:
+        if w.dtype != torch.uint8 or w.numel() != bfp.packed_size((n, kw), fmt):
             raise ValueError(f"{w.numel()} bytes of {w.dtype} do not hold {fmt} {list(shape)}")
         stride_wn, tiles_per_row = 0, kw // 32
     if k > kw:
@@ -156,7 +153,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, fmt: str, shape: tuple[int, int] | 
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return y
-    bm, bn, bk = _blocks(m, code)
+    bm, bn, bk = _blocks(m)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _linear_kernel[grid](
         x,
@@ -169,9 +166,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, fmt: str, shape: tuple[int, int] | 
         stride_wn,
         y.stride(0),
         tiles_per_row,
-        FMT=code,
-        MBITS=_MBITS.get(code, 0),
-        TILE_BYTES=_TILE_BYTES.get(code, 0),
+        MBITS=mbits,
         BM=bm,
         BN=bn,
         BK=bk,
