@@ -113,3 +113,17 @@ def test_tp_degree_must_divide_the_heads(cache):
     opts = EngineOptions(str(files.path), 16, cache_dir=cache)
     with pytest.raises(ConfigError, match="does not divide this model's 6 attention heads"):
         TPRunner(opts, 4, files.token_map, files.ckpt.config.vocab_size)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gates_refuse_a_missing_gpu_before_scoring(monkeypatch, capsys):
+    from dsflash.cli.main import main
+    from dsflash.gates import run
+
+    def never(*args, **kwargs):
+        raise AssertionError("the reference ran before the device was checked")
+
+    monkeypatch.setattr(run, "reference_scores", never)
+    assert main(["gates", str(ROOT / "tiny_a" / "model"), "--device", "cuda"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["dsflash gates: error: --device cuda: this torch build sees no CUDA GPU"]

@@ -106,6 +106,7 @@ def run_gates(
     device: str = "auto",
 ) -> dict:
     """Score reference and engine on the same tokens; the report says which thresholds fail (if any)."""
+    device = resolve_device(device)  # a device this machine lacks fails now, not after the reference has run
     ids, prefill = gate_ids(files, tokens)
     want = reference_scores(files, ids, prefill, qat)
     got = engine_scores(files, ids, prefill, tp, expert_slots, expert_format, cache_dir, qat, progress, device=device)
@@ -116,6 +117,6 @@ def run_gates(
         "tokens": len(ids),
         "prefill": prefill,
         "qat": qat,
-        "device": resolve_device(device),
+        "device": device,
     }
     return out
