@@ -73,13 +73,17 @@ def bench_fp4(reps: int) -> None:
     in_bytes = packed.numel() + scale.numel()
     out = bfp.packed_size((2304, 5120), "bfp4_b")
     print(f"checkpoint FP4 [2304, 5120] -> bfp4_b ({in_bytes / 1e6:.2f} MB in, {out / 1e6:.2f} MB out)")
-    wall, cpu = timed(lambda: bfp.fp4_to_bfp4(packed, scale), reps)
-    base_wall, base_cpu = timed(lambda: bfp.pack(fp4.dequant(packed, scale), "bfp4_b"), max(3, reps // 2))
-    line("dsflash bfp.fp4_to_bfp4", wall, cpu, in_bytes, out)
-    line("pack(fp4.dequant(...)) (same process)", base_wall, base_cpu, in_bytes, out)
-    print(f"  speed-up: {base_wall / wall:.1f}x over dequantize-then-pack")
-    ok = out / wall / 1e6 >= TARGET_FP4_OUT_MB_S
-    print(f"  target >= {TARGET_FP4_OUT_MB_S:.0f} MB/s out per core: {'met' if ok else 'NOT MET'}")
+    for search in (False, True):  # ttnn's bytes, and the store's lower-error exponents
+        wall, cpu = timed(lambda s=search: bfp.fp4_to_bfp4(packed, scale, s), reps)
+        base_wall, base_cpu = timed(
+            lambda s=search: bfp.pack(fp4.dequant(packed, scale), "bfp4_b", s), max(3, reps // 2)
+        )
+        what = ", search" if search else ""
+        line(f"dsflash bfp.fp4_to_bfp4{what}", wall, cpu, in_bytes, out)
+        line(f"pack(fp4.dequant(...){what}) (same process)", base_wall, base_cpu, in_bytes, out)
+        print(f"  speed-up: {base_wall / wall:.1f}x over dequantize-then-pack")
+        ok = out / wall / 1e6 >= TARGET_FP4_OUT_MB_S
+        print(f"  target >= {TARGET_FP4_OUT_MB_S:.0f} MB/s out per core: {'met' if ok else 'NOT MET'}")
 
 
 def main() -> None:

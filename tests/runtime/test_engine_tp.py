@@ -1,5 +1,7 @@
 """The engine (slot LRU over the bfp store, tensor-parallel ranks over gloo) against the CPU reference."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +18,7 @@ from dsflash.runtime.workers import TPRunner
 from dsflash.service.files import open_dir
 from dsflash.store.build import build_store
 from tests.model.conftest import ROOT
+from tests.runtime.conftest import GATE_TOKENS
 
 
 def _tp_degrees(files):
@@ -66,7 +69,7 @@ def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
 
 
 def _bfp4(w: torch.Tensor) -> torch.Tensor:
-    return torch.from_numpy(bfp.unpack(bfp.pack(w.float().numpy(), "bfp4_b"), "bfp4_b", tuple(w.shape)))
+    return torch.from_numpy(bfp.unpack(bfp.pack(w.float().numpy(), "bfp4_b", search=True), "bfp4_b", tuple(w.shape)))
 
 
 def test_tp4_equals_tp1_with_the_default_formats(cache):
@@ -113,6 +116,22 @@ def test_tp_degree_must_divide_the_heads(cache):
     opts = EngineOptions(str(files.path), 16, cache_dir=cache)
     with pytest.raises(ConfigError, match="does not divide this model's 6 attention heads"):
         TPRunner(opts, 4, files.token_map, files.ckpt.config.vocab_size)
+
+
+def test_gates_cli_passes_at_its_defaults_with_evictions(setup, cache, capsys):
+    """`dsflash gates` as a user runs it: the default format (auto: bfp8_b, the tiny store fits) at the highest TP
+    degree the heads allow and as few slots as a token activates."""
+    from dsflash.cli.main import main
+
+    files, ids, prefill, want = setup
+    cfg = files.ckpt.config
+    tp = max(_tp_degrees(files))
+    args = ["--tp", str(tp), "--expert-slots", str(cfg.num_experts_per_tok), "--tokens", str(GATE_TOKENS)]
+    code = main(["gates", str(files.path), *args, "--cache-dir", cache])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["pass"], r
+    assert r["config"]["expert_format"] == "bfp8_b" and r["config"]["tp"] == tp
+    assert r["experts"]["misses"] > 0 and r["experts"]["slots"] == cfg.num_experts_per_tok
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -21,7 +21,7 @@ ALLOWED = {
     "server": {"service", "text", "config", "errors"},
     "bench": {"text", "errors"},
     "sim": {"errors"},
-    "gates": {"model", "checkpoint", "runtime", "service", "text", "formats", "config", "errors"},
+    "gates": {"model", "checkpoint", "runtime", "service", "store", "text", "formats", "config", "errors"},
     "cli": None,  # anything
     "__init__": set(),
     "__main__": {"cli"},

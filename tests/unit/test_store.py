@@ -12,6 +12,7 @@ import torch
 
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.writer import write_checkpoint
+from dsflash.config import ModelConfig
 from dsflash.errors import StoreCorrupt, StoreMismatch
 from dsflash.formats import bfp
 from dsflash.store import layout
@@ -71,8 +72,13 @@ def _expected(ckpt, prefix, e, w, a, b, fmt):
     full = ckpt.tensor(f"{prefix}.ffn.experts.{e}.{w}.weight")
     if w == "w2" and (b - a) % 16:
         # a face row would straddle ranks: the store rounds w2 over the whole matrix (the TP-1 values) first
-        full = torch.from_numpy(bfp.unpack(bfp.pack(full, fmt), fmt, tuple(full.shape)))
+        full = torch.from_numpy(bfp.unpack(_pack(full, fmt), fmt, tuple(full.shape)))
     return full[:, a:b] if w == "w2" else full[a:b]
+
+
+def _pack(x, fmt):
+    """What a store holds: bfp4_b with the exponent search (it lowers FP4's weight error), bfp8_b as ttnn packs."""
+    return bfp.pack(x, fmt, search=fmt == "bfp4_b")
 
 
 def test_narrow_shards_hold_the_tp1_values(tiny, stores):
@@ -82,6 +88,7 @@ def test_narrow_shards_hold_the_tp1_values(tiny, stores):
     parts = [four.unpack(0, 3, r) for r in range(4)]
     np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), w1)
     np.testing.assert_array_equal(np.concatenate([p[2] for p in parts], axis=1), w2)
+    assert verify_store(four, ckpt=tiny, decode=10**6)["decoded"] == 14 * 8 * 4 - 2 * 4 * 4  # every shard
 
 
 # ---------------------------------------------------------------------------------------------- round trip
@@ -115,8 +122,8 @@ def _check_layers(ckpt, store, layers, fmt):
                 for part, got in zip(store.parts(lid, e, r), unpacked):
                     x = _expected(ckpt, prefix, e, part.name, a, b, fmt)
                     assert part.shape == tuple(x.shape)
-                    packed = bfp.pack(x, fmt)
-                    # bytes of the store == ttnn-exact packing of the dequantized checkpoint slice
+                    packed = _pack(x, fmt)
+                    # bytes of the store == the packing of the dequantized checkpoint slice
                     assert np.array_equal(part.data, packed), (lid, e, r, part.name)
                     # and its decode == the bfp round trip of that slice
                     np.testing.assert_array_equal(got.view(np.uint32), bfp.unpack(packed, fmt, x.shape).view(np.uint32))
@@ -201,6 +208,22 @@ def test_geometry_rules():
         for fmt in ("bfp4_b", "bfp8_b"):
             g = layout.Geometry(tp, fmt, 5120, 2304)
             assert g.stride == g.shard_bytes
+
+
+def test_auto_format_is_exact_where_the_store_fits_and_bfp4_where_it_must(tiny):
+    flash = ModelConfig.from_file(
+        Path(__file__).resolve().parents[1] / "data" / "configs" / "deepseek-v4.1-flash.config.json"
+    )
+    assert 300e9 < layout.store_bytes(flash, "bfp4_b") < 330e9  # the reference box's 313 GB
+    assert layout.store_bytes(flash, "bfp8_b") > 580e9
+    tb = 2**40
+    assert layout.resolve_tile_format("auto", flash, memory=2 * tb) == "bfp4_b"  # 590 GB > a quarter of 2 TiB
+    assert layout.resolve_tile_format("auto", flash, memory=4 * tb) == "bfp8_b"
+    small = layout.store_bytes(tiny.config, "bfp8_b")
+    assert layout.resolve_tile_format("auto", tiny.config, memory=4 * small) == "bfp8_b"
+    assert layout.resolve_tile_format("auto", tiny.config, memory=4 * small - 1) == "bfp4_b"
+    assert layout.resolve_tile_format("auto", tiny.config) == "bfp8_b"  # this machine
+    assert layout.resolve_tile_format("bfp4_b", tiny.config, memory=tb) == "bfp4_b"  # asked for: kept
 
 
 def test_names_and_roots(tmp_path, monkeypatch, tiny):

@@ -37,7 +37,7 @@ def _files(d: Path) -> dict[str, bytes]:
 def test_killed_build_resumes_to_identical_bytes(tmp_path):
     root = tmp_path / "killed"
     d = store_dir(MODEL, root)
-    args = _cmd("build", str(MODEL), "--tp", "2", "--cache-dir", str(root), "--no-progress")
+    args = _cmd("build", str(MODEL), "--tp", "2", "--format", "bfp4_b", "--cache-dir", str(root), "--no-progress")
     # 8 experts per backbone layer: after 20 records layers 0 and 1 are done and layer 2 is half written
     proc = subprocess.Popen(args, env=_env(**{PAUSE_ENV: "20"}), stderr=subprocess.PIPE, text=True)
     try:
@@ -96,11 +96,12 @@ def test_verify_cli_names_the_flipped_record(tmp_path, capsys):
     # the store is for TP 4 bfp8_b: asking for anything else is refused, never used silently
     assert main(["store", "verify", str(MODEL), "--cache-dir", root, "--tp", "2"]) == 1
     assert "TP degree 4 (store) vs 2 (requested)" in capsys.readouterr().err
-    assert main(["store", "build", str(MODEL), "--cache-dir", root, "--no-progress"]) == 1
+    assert main(["store", "build", str(MODEL), "--format", "bfp4_b", "--cache-dir", root, "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "TP degree 4 (store) vs 1 (requested)" in err and "tile format" in err and "--rebuild" in err
     assert main(["store", "build", str(MODEL), "--cache-dir", root, "--no-progress", "--rebuild"]) == 0
-    assert json.loads(capsys.readouterr().out)["tp"] == 1
+    row = json.loads(capsys.readouterr().out)
+    assert row["tp"] == 1 and row["format"] == "bfp8_b"  # auto: the tiny store fits, so FP4 exactly
     assert json.loads((d / MANIFEST).read_text())["tp"] == 1
 
 

@@ -1,4 +1,4 @@
-"""The --device flag every engine-running command shares."""
+"""The flags every engine-running command shares: --device and --expert-format."""
 
 from __future__ import annotations
 
@@ -12,4 +12,15 @@ def add_device_argument(p: argparse.ArgumentParser, prefix: str = "") -> None:
         default="auto",
         help=f"{prefix}where the engine computes: cuda (TP rank r on GPU r %% count), cpu, or auto (cuda where torch "
         "sees a GPU)",
+    )
+
+
+def add_expert_format_argument(p: argparse.ArgumentParser, prefix: str = "", flag: str = "--expert-format") -> None:
+    p.add_argument(
+        flag,
+        dest="expert_format",
+        choices=["auto", "bfp4_b", "bfp8_b"],
+        default="auto",
+        help=f"{prefix}tile format of the routed experts: bfp8_b holds FP4 experts exactly at twice the bytes, "
+        "bfp4_b is lossy; auto takes bfp8_b where the whole store fits in a quarter of this host's memory, else bfp4_b",
     )

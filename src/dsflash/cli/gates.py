@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dsflash.cli._device import add_device_argument
+from dsflash.cli._device import add_device_argument, add_expert_format_argument
 from dsflash.gates import suites
 
 
@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("model", help="model directory or Hub repo id[@revision]")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the engine")
     p.add_argument("--expert-slots", type=int, default=4500, help="device expert slots (clipped to the model)")
-    p.add_argument("--expert-format", choices=["bfp4_b", "bfp8_b"], default="bfp4_b", help="routed expert tiles")
+    add_expert_format_argument(p)
     add_device_argument(p)
     p.add_argument("--tokens", type=int, default=suites.DEFAULT_TOKENS, help="tokens scored: 2/3 prefill, 1/3 decode")
     p.add_argument("--cache-dir", default=None, help="expert store root (default $DSFLASH_CACHE or ~/.cache/dsflash)")

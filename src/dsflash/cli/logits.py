@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dsflash.cli._device import add_device_argument
+from dsflash.cli._device import add_device_argument, add_expert_format_argument
 from dsflash.errors import InvalidRequest
 
 
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--no-qat", action="store_true", help="turn off the model's fake-quant points")
     p.add_argument("--tp", type=int, default=1, help="engine: tensor-parallel degree")
     p.add_argument("--expert-slots", type=int, default=4500, help="engine: device expert slots")
-    p.add_argument("--expert-format", choices=["bfp4_b", "bfp8_b"], default="bfp4_b", help="engine: expert tiles")
+    add_expert_format_argument(p, "engine: ")
     add_device_argument(p, "engine: ")
     p.add_argument("--cache-dir", default=None, help="engine: expert store root (default $DSFLASH_CACHE)")
     p.set_defaults(run=run)
@@ -94,13 +94,15 @@ def _backend(args, max_len: int):
     from dsflash.runtime.rank import EngineOptions
     from dsflash.runtime.workers import TPRunner
     from dsflash.store.build import build_store
+    from dsflash.store.layout import resolve_tile_format
 
-    build_store(files.ckpt, args.cache_dir, tp=args.tp, fmt=args.expert_format, progress=False, rebuild=True)
+    fmt = resolve_tile_format(args.expert_format, files.ckpt.config)
+    build_store(files.ckpt, args.cache_dir, tp=args.tp, fmt=fmt, progress=False, rebuild=True)
     opts = EngineOptions(
         str(files.path),
         max_len,
         expert_slots=args.expert_slots,
-        expert_format=args.expert_format,
+        expert_format=fmt,
         cache_dir=args.cache_dir,
         qat=not args.no_qat,
         device=args.device,

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from dsflash.cli._device import add_device_argument
+from dsflash.cli._device import add_device_argument, add_expert_format_argument
 
 DEFAULT_PORT = 20000
 API_KEY_ENV = "DSFLASH_API_KEY"
@@ -44,9 +44,7 @@ def add_parser(sub) -> None:
         default=None,
         help="device expert slots per rank (default: 4500, clipped to the model)",
     )
-    p.add_argument(
-        "--expert-format", choices=["bfp4_b", "bfp8_b"], default="bfp4_b", help="tile format of the routed experts"
-    )
+    add_expert_format_argument(p)
     add_device_argument(p)
     p.add_argument(
         "--backend",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from dsflash.cli._device import add_expert_format_argument
+
 FORMATS = ("bfp4_b", "bfp8_b")
 
 
@@ -22,7 +24,7 @@ def _common(p: argparse.ArgumentParser, build: bool) -> None:
     if build:
         p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel degree; must divide "
                        "moe_intermediate_size (default: %(default)s)")  # fmt: skip
-        p.add_argument("--format", choices=FORMATS, default="bfp4_b", help="expert tile format (default: %(default)s)")
+        add_expert_format_argument(p, flag="--format")
     else:
         p.add_argument("--tp", type=_positive, default=None, help="TP degree the store must have (default: as built)")
         p.add_argument("--format", choices=FORMATS, default=None, help="tile format the store must have (default: as "
@@ -73,11 +75,12 @@ def _build(args) -> int:
     import json
 
     from dsflash.store.build import build_store
-    from dsflash.store.layout import store_dir
+    from dsflash.store.layout import resolve_tile_format, store_dir
 
     ckpt = _checkpoint(args.model)
     ckpt.verify()  # a missing expert tensor should stop us now, not hours in
-    m = build_store(ckpt, args.cache_dir, args.tp, args.format, progress=not args.no_progress, rebuild=args.rebuild)
+    fmt = resolve_tile_format(args.expert_format, ckpt.config)
+    m = build_store(ckpt, args.cache_dir, args.tp, fmt, progress=not args.no_progress, rebuild=args.rebuild)
 
     s = m.stats
     row = {

@@ -1,7 +1,14 @@
-"""BFLOAT4_B / BFLOAT8_B tiles, byte-exact with ttnn 0.81.1's host packer (docs/bfp_format.md, golden vectors)."""
+"""BFLOAT4_B / BFLOAT8_B tiles, byte-exact with ttnn 0.81.1's host packer (docs/bfp_format.md, golden vectors).
+
+`search=True` encodes the same tile format with one more choice per face row: the shared exponent one below the
+largest element's is kept when it gives the row a strictly lower squared error (the opt-in search newer tt-metal
+sources describe). Any ttnn decoder reads such tiles; only the encoder's choice differs. Where the largest
+element stands alone (FP4's 4 beside 0.5s and 1.5s) it roughly halves bfp4_b's weight error.
+"""
 
 from __future__ import annotations
 
+import math
 import sys
 from importlib import resources
 from pathlib import Path
@@ -94,17 +101,53 @@ def _row_exponents(src, ex, emax):
 
 
 @numba.njit(cache=True, inline="always")
+def _magnitude(w, x, m):
+    """§4 for one element: magnitude code of fp32 bits w under shared exponent x (m magnitude bits)."""
+    s, x = 24 - m, np.int64(x)
+    e = np.int64((w >> 23) & 0xFF)
+    sig = np.int64((w & 0x7FFFFF) | 0x800000) if e != 0 else np.int64(0)  # zeros and denormals flush to code 0
+    if e > x:  # above the shared exponent (search only): saturate
+        return (1 << m) - 1
+    a = sig >> min(x - e, 31)  # shifted-out bits are lost: no sticky bit
+    q = (a + ((1 << (s - 1)) - 1) + ((a >> s) & 1)) >> s  # round half to even on the shifted significand
+    return min(q, (1 << m) - 1)  # saturate; the exponent is never bumped
+
+
+@numba.njit(cache=True, inline="always")
 def _row_codes(src, ex, codes, m):
     """§4 per element: fp32 bits src [n] with shared exponents ex [n] -> sign-magnitude codes [n] (m magnitude bits)."""
-    s = 24 - m
     for i in range(src.shape[0]):
         w = src[i]
-        e = (w >> 23) & 0xFF
-        sig = ((w & 0x7FFFFF) | 0x800000) if e != 0 else 0  # zeros and denormals flush to code 0
-        a = sig >> min(ex[i] - e, 31)  # shifted-out bits are lost: no sticky bit
-        q = (a + ((1 << (s - 1)) - 1) + ((a >> s) & 1)) >> s  # round half to even on the shifted significand
-        q = min(q, (1 << m) - 1)  # saturate; the exponent is never bumped
+        q = _magnitude(w, ex[i], m)
         codes[i] = ((w >> 31) << m) | q if q != 0 else 0
+
+
+@numba.njit(cache=True, inline="always")
+def _squared_error(src, val, g, x, m):
+    """Squared error of face row g (fp32 bits src, the same as floats val) under shared exponent x, summed in
+    element order in float64 (exact differences: a value and its code's value lie within 53 bits)."""
+    err, x = 0.0, np.int64(x)
+    step = math.ldexp(1.0, x - 127 - (m - 1))
+    for i in range(16 * g, 16 * g + 16):
+        d = abs(np.float64(val[i])) - _magnitude(src[i], x, m) * step
+        err += d * d
+    return err
+
+
+@numba.njit(cache=True, inline="always")
+def _search_rows(src, ex, emax, codes, m):
+    """Lower each face row's exponent by one where that strictly lowers its squared error, and re-encode it."""
+    val = src.view(np.float32)
+    for g in range(emax.shape[0]):
+        x = np.int64(emax[g])
+        if x < 2 or x == 255:  # nothing below, or an Inf/NaN row
+            continue
+        err = _squared_error(src, val, g, x, m)
+        if err > 0.0 and _squared_error(src, val, g, x - 1, m) < err:
+            emax[g] = x - 1
+            for i in range(16 * g, 16 * g + 16):
+                ex[i] = x - 1
+            _row_codes(src[16 * g : 16 * g + 16], ex[16 * g : 16 * g + 16], codes[16 * g : 16 * g + 16], m)
 
 
 @numba.njit(cache=True, inline="always")
@@ -130,7 +173,7 @@ def _put_row(out, base, rt, emax, data64, rb):
 
 
 @numba.njit(cache=True, inline="always")
-def _pack_rows(bits, out, m):
+def _pack_rows(bits, out, m, search):
     """uint32 [B, H, W] -> tiles in out (uint8, batch-major, row-major tile order); padding encodes as zeros."""
     nb, h, w = bits.shape
     th, w32 = (h + 31) // 32, (w + 31) // 32 * 32
@@ -150,6 +193,8 @@ def _pack_rows(bits, out, m):
                 src = bits[b, r]
             _row_exponents(src, ex, emax)
             _row_codes(src, ex, codes, m)
+            if search:
+                _search_rows(src, ex, emax, codes, m)
             if m == 3:
                 _nibbles(codes, data)
             base = (b * th + r // 32) * (w32 // 32) * (64 + 64 * rb)
@@ -157,8 +202,8 @@ def _pack_rows(bits, out, m):
 
 
 @numba.njit(cache=True)
-def _pack_kernel(bits, out, m):
-    _pack_rows(bits, out, m)
+def _pack_kernel(bits, out, m, search):
+    _pack_rows(bits, out, m, search)
 
 
 @numba.njit(cache=True, inline="always")
@@ -219,15 +264,16 @@ def _unpack_kernel(buf, out, m):
 # ---------------------------------------------------------------- public API
 
 
-def pack(x, fmt: str) -> np.ndarray:
-    """float32/bfloat16 [..., H, W] (torch or numpy) -> packed tiles, uint8 [packed_size(shape, fmt)]."""
+def pack(x, fmt: str, search: bool = False) -> np.ndarray:
+    """float32/bfloat16 [..., H, W] (torch or numpy) -> packed tiles, uint8 [packed_size(shape, fmt)]; ttnn's bytes
+    unless `search` (see the module's doc)."""
     m = _mbits(fmt)
     bits = as_bits(x)
     if bits.ndim < 2:
         raise BfpError(f"bfp packing needs a tensor [..., H, W], got shape {bits.shape}")
     out = np.empty(packed_size(bits.shape, fmt), dtype=np.uint8)
     if out.size:
-        _pack_kernel(_frozen(bits.reshape(-1, *bits.shape[-2:])), out, m)
+        _pack_kernel(_frozen(bits.reshape(-1, *bits.shape[-2:])), out, m, bool(search))
     return out
 
 
@@ -250,20 +296,41 @@ def unpack(buf, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
 # ---------------------------------------------------------------- clear NumPy model (tests, benchmark baseline)
 
 
-def encode_rows_reference(w: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
-    """§4 written out: fp32 bits uint32 [N, 16] -> (exponents uint8 [N], codes uint8 [N, 16])."""
-    w = w.astype(np.int64)
+def _codes_reference(w: np.ndarray, emax: np.ndarray, m: int) -> np.ndarray:
+    """§4 written out: fp32 bits int64 [N, 16] under shared exponents int64 [N, 1] -> codes [N, 16]."""
     e = (w >> 23) & 0xFF
-    emax = e.max(axis=1, keepdims=True)
     sig = np.where(e == 0, 0, (w & 0x7FFFFF) | 0x800000)
     d = emax - e
-    a = np.where(d >= 32, 0, sig >> np.minimum(d, 31))
+    a = np.where(d >= 32, 0, sig >> np.clip(d, 0, 31))
     s = 24 - m
     q, r, half = a >> s, a & ((1 << s) - 1), 1 << (s - 1)
     q = q + ((r > half) | ((r == half) & (q & 1 == 1)))
-    q = np.minimum(q, (1 << m) - 1)
-    code = np.where(q == 0, 0, ((w >> 31) << m) | q)
+    q = np.where(d < 0, (1 << m) - 1, np.minimum(q, (1 << m) - 1))  # above the exponent (search only): saturate
+    return np.where(q == 0, 0, ((w >> 31) << m) | q)
+
+
+def encode_rows_reference(w: np.ndarray, m: int, search: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """§4 written out: fp32 bits uint32 [N, 16] -> (exponents uint8 [N], codes uint8 [N, 16])."""
+    w = w.astype(np.int64)
+    emax = ((w >> 23) & 0xFF).max(axis=1, keepdims=True)
+    code = _codes_reference(w, emax, m)
+    if search:
+        with np.errstate(invalid="ignore", over="ignore"):  # Inf/NaN rows are never lowered
+            lower = _codes_reference(w, emax - 1, m)
+            lower_err, err = _error_reference(w, emax - 1, lower, m), _error_reference(w, emax, code, m)
+        better = (emax >= 2) & (emax < 255) & (lower_err < err)
+        emax, code = np.where(better, emax - 1, emax), np.where(better, lower, code)
     return emax[:, 0].astype(np.uint8), code.astype(np.uint8)
+
+
+def _error_reference(w: np.ndarray, emax: np.ndarray, code: np.ndarray, m: int) -> np.ndarray:
+    """Squared error of each row's codes [N, 16] against fp32 bits w [N, 16], summed in element order -> [N, 1]."""
+    v = np.abs(w.astype(np.uint32).view(np.float32).astype(np.float64))
+    q = (code & ((1 << m) - 1)) * np.ldexp(1.0, (emax - 127 - (m - 1)).astype(np.int32))
+    err = np.zeros((w.shape[0], 1))
+    for i in range(w.shape[1]):  # the kernel's order, so both round alike
+        err[:, 0] += (v[:, i] - q[:, i]) ** 2
+    return err
 
 
 def decode_rows_reference(exps: np.ndarray, codes: np.ndarray, m: int) -> np.ndarray:
@@ -278,11 +345,11 @@ def decode_rows_reference(exps: np.ndarray, codes: np.ndarray, m: int) -> np.nda
     return np.where(q == 0, s << 31, bits).astype(np.uint32)
 
 
-def pack_reference(x, fmt: str) -> np.ndarray:
+def pack_reference(x, fmt: str, search: bool = False) -> np.ndarray:
     """Same bytes as pack(), built from encode_rows_reference with whole-array NumPy (slow, obviously right)."""
     m = _mbits(fmt)
     bits = as_bits(x)
-    exps, codes = encode_rows_reference(tiles.tilize(bits), m)
+    exps, codes = encode_rows_reference(tiles.tilize(bits), m, search)
     n = exps.size // tiles.FACE_ROWS_PER_TILE
     if m == 3:  # element 2j in the low nibble
         codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
@@ -306,39 +373,53 @@ def unpack_reference(buf, fmt: str, shape: tuple[int, ...]) -> np.ndarray:
 
 _FP4_EXP = (0, -1, 0, 0, 1, 1, 2, 2)  # fp32 exponent (unbiased) of E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
 _FP4_FRAC = (0, 0, 0, 0x400000, 0, 0x400000, 0, 0x400000)  # fp32 fraction bits of the same
+_FP4_CLASS_EXP = (-1, 0, 1, 2, 1)  # row exponent (unbiased, scale 2^0) of each class of _fp4_byte_table
 _SAFE_E8M0 = (2, 252)  # every product of such a scale and an E2M1 value is a normal fp32
 
 
 def _fp4_byte_table() -> np.ndarray:
-    """uint8 [4, 256]: class of the face row's largest magnitude (0.5 | 1-1.5 | 2-3 | 4-6) x FP4 byte -> bfp4_b byte."""
-    table = np.zeros((4, 256), dtype=np.uint8)
-    for cls in range(4):
-        nib = np.zeros(16, dtype=np.uint8)
-        for c in range(16):
-            mag = c & 7
-            if mag == 0 or _FP4_EXP[mag] > cls - 1:
-                continue  # zeros encode as 0; larger magnitudes cannot occur in this class
-            w = np.zeros((1, 16), dtype=np.uint32)
-            w[0, 0] = (127 + cls - 1) << 23  # a row maximum of this class, scale 2^0
-            w[0, 1] = (c >> 3) << 31 | (127 + _FP4_EXP[mag]) << 23 | _FP4_FRAC[mag]
-            nib[c] = encode_rows_reference(w, 3)[1][0, 1]
+    """uint8 [5, 256]: class of the face row's largest magnitude (0.5 | 1-1.5 | 2-3 | 4-6, and 4 under the exponent
+    of 2-3, the search's choice) x FP4 byte -> bfp4_b byte."""
+    table = np.zeros((5, 256), dtype=np.uint8)
+    for cls, top in enumerate(_FP4_CLASS_EXP):
+        w = np.zeros((8, 16), dtype=np.int64)
+        for mag in range(1, 8):
+            w[mag, 0] = (127 + _FP4_EXP[mag]) << 23 | _FP4_FRAC[mag]  # scale 2^0
+        mags = _codes_reference(w, np.full((8, 1), 127 + top), 3)[:, 0]
+        nib = np.array([mags[c & 7] | (c >> 3) << 3 if mags[c & 7] else 0 for c in range(16)], dtype=np.uint8)
         b = np.arange(256)
         table[cls] = nib[b & 15] | (nib[b >> 4] << 4)
     return table
 
 
 @numba.njit(cache=True, inline="always")
-def _fp4_class(w):
-    """uint64 of 16 FP4 codes -> class of the largest magnitude (-1: all zero, 0: 0.5, 1: 1-1.5, 2: 2-3, 3: 4-6)."""
+def _popcount(v):
+    v = v - ((v >> np.uint64(1)) & np.uint64(0x5555555555555555))
+    v = (v & np.uint64(0x3333333333333333)) + ((v >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    v = (v + (v >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((v * np.uint64(0x0101010101010101)) >> np.uint64(56))
+
+
+@numba.njit(cache=True, inline="always")
+def _fp4_class(w, search):
+    """uint64 of 16 FP4 codes -> class of the largest magnitude (-1: all zero, 0: 0.5, 1: 1-1.5, 2: 2-3, 3: 4-6;
+    4: a 4-6 row that the search encodes one exponent lower)."""
     mags = w & np.uint64(0x7777777777777777)
     b2, b1 = mags & np.uint64(0x4444444444444444), mags & np.uint64(0x2222222222222222)
     six = mags & (mags << np.uint64(1)) & np.uint64(0x4444444444444444)  # bits 2 and 1 in one nibble: 6 or 7
     # branch-free: real rows mix classes unpredictably
-    return np.int64(mags != 0) + np.int64((b2 | b1) != 0) + np.int64(b2 != 0) + np.int64(six != 0) - 1
+    cls = np.int64(mags != 0) + np.int64((b2 | b1) != 0) + np.int64(b2 != 0) + np.int64(six != 0) - 1
+    # one exponent lower (steps of 0.5 x scale) 0.5 and 1.5 become exact and 4 and 6 saturate at 3.5: squared
+    # errors 1/4 per 0.5 or 1.5 against 1/4 per 4 and 25/4 per 6, in units of the scale squared
+    ones = mags & np.uint64(0x1111111111111111)
+    halves = _popcount(ones & ~(b2 >> np.uint64(2)))  # codes 1 and 3: 0.5 and 1.5
+    sixes = _popcount((six >> np.uint64(2)) & ones)  # code 7: 6
+    fours = _popcount(six) - sixes  # code 6: 4
+    return cls + (np.int64(search) & np.int64(cls == 3) & np.int64(fours + 25 * sixes < halves))
 
 
 @numba.njit(cache=True, inline="always")
-def _fp4_face_row_generic(w, e, bits, ex, emax1, codes, data):
+def _fp4_face_row_generic(w, e, bits, ex, emax1, codes, data, search):
     """One face row at an extreme scale: build the 16 fp32 products exactly (Inf above, denormal below) and encode."""
     for i in range(16):
         c = np.int64((w >> np.uint64(4 * i)) & np.uint64(0xF))
@@ -352,11 +433,13 @@ def _fp4_face_row_generic(w, e, bits, ex, emax1, codes, data):
             bits[i] = v | (field << 23) | _FP4_FRAC[c & 7]
     _row_exponents(bits, ex, emax1)
     _row_codes(bits, ex, codes, 3)
+    if search:
+        _search_rows(bits, ex, emax1, codes, 3)
     _nibbles(codes, data)
 
 
 @numba.njit(cache=True)
-def _fp4_kernel(words, scale, table, out):
+def _fp4_kernel(words, scale, table, out, search):
     """FP4 face rows uint64 [O, I/16] + E8M0 uint8 [O, I/32] -> bfp4_b tiles in out (rows padded to 32)."""
     rows, ng = words.shape
     tile_row = (ng // 2) * 576
@@ -366,16 +449,16 @@ def _fp4_kernel(words, scale, table, out):
     for r in range((rows + 31) // 32 * 32):
         for g in range(ng if r < rows else 0):
             w, e = words[r, g], np.int64(scale[r, g >> 1])
-            cls = _fp4_class(w)
+            cls = _fp4_class(w, search)
             if _SAFE_E8M0[0] <= e <= _SAFE_E8M0[1]:
-                emax[g] = e + cls - 1 if cls >= 0 else 0
+                emax[g] = e + _FP4_CLASS_EXP[cls] if cls >= 0 else 0
                 t = max(cls, 0)  # an all-zero row looks up zeros in any class
                 v = np.uint64(0)
                 for k in range(8):
                     v |= np.uint64(table[t, (w >> np.uint64(8 * k)) & np.uint64(0xFF)]) << np.uint64(8 * k)
                 data[g] = v
             else:
-                _fp4_face_row_generic(w, e, bits, ex, emax1, codes, data16)
+                _fp4_face_row_generic(w, e, bits, ex, emax1, codes, data16, search)
                 emax[g], data[g] = emax1[0], data16.view(np.uint64)[0]
         if r == rows:  # padding rows below the matrix
             emax[:], data[:] = 0, 0
@@ -399,8 +482,9 @@ def _as_bytes(t, what: str) -> np.ndarray:
     return a if a.ctypes.data % 8 == 0 else a.copy()
 
 
-def fp4_to_bfp4(packed, scale) -> np.ndarray:
-    """FP4 I8 [O, I/2] + E8M0 [O, I/32] -> bfp4_b tiles uint8, = pack(fp4.dequant(packed, scale)) without fp32 W."""
+def fp4_to_bfp4(packed, scale, search: bool = False) -> np.ndarray:
+    """FP4 I8 [O, I/2] + E8M0 [O, I/32] -> bfp4_b tiles uint8, = pack(fp4.dequant(packed, scale), search=search)
+    without fp32 W."""
     p, s = _as_bytes(packed, "FP4 weight"), _as_bytes(scale, "E8M0 scale")
     if p.ndim != 2 or s.ndim != 2 or p.shape[0] != s.shape[0] or p.shape[1] != 16 * s.shape[1]:
         raise BfpError(f"FP4 weight {p.shape} and E8M0 scale {s.shape} are not [O, I/2] and [O, I/32]")
@@ -410,12 +494,12 @@ def fp4_to_bfp4(packed, scale) -> np.ndarray:
         return out
     if not _fp4_table_cache:
         _fp4_table_cache.append(_fp4_byte_table())
-    _fp4_kernel(_frozen(p.view(np.uint64)), _frozen(s), _frozen(_fp4_table_cache[0]), out)
-    _fp4_nan_scales(p, s, out)
+    _fp4_kernel(_frozen(p.view(np.uint64)), _frozen(s), _frozen(_fp4_table_cache[0]), out, bool(search))
+    _fp4_nan_scales(p, s, out, search)
     return out
 
 
-def _fp4_nan_scales(p: np.ndarray, s: np.ndarray, out: np.ndarray) -> None:
+def _fp4_nan_scales(p: np.ndarray, s: np.ndarray, out: np.ndarray, search: bool) -> None:
     """Redo tile rows holding an E8M0 0xFF (NaN) scale through fp4.dequant: the NaN bits come from its float math."""
     bad = np.flatnonzero((s == 0xFF).any(axis=1)) // tiles.TILE
     if not bad.size:
@@ -428,7 +512,7 @@ def _fp4_nan_scales(p: np.ndarray, s: np.ndarray, out: np.ndarray) -> None:
     for ti in np.unique(bad):
         rows = slice(ti * tiles.TILE, (ti + 1) * tiles.TILE)
         w = fp4.dequant(torch.from_numpy(p[rows]).view(torch.int8), torch.from_numpy(s[rows]))
-        out[ti * tile_row : (ti + 1) * tile_row] = pack(w, "bfp4_b")
+        out[ti * tile_row : (ti + 1) * tile_row] = pack(w, "bfp4_b", search)
 
 
 # ---------------------------------------------------------------- self-check against shipped golden bytes

@@ -15,6 +15,7 @@ from dsflash.runtime.loader import load_reference
 from dsflash.runtime.rank import resolve_device
 from dsflash.runtime.scoring import decode_logits, prefill_logits
 from dsflash.service.files import ModelFiles
+from dsflash.store.layout import resolve_tile_format
 
 
 @dataclass
@@ -98,7 +99,7 @@ def run_gates(
     tp: int = 1,
     expert_slots: int = 4500,
     tokens: int = DEFAULT_TOKENS,
-    expert_format: str = "bfp4_b",
+    expert_format: str = "auto",
     cache_dir: str | None = None,
     qat: bool = False,
     thresholds: Thresholds | None = None,
@@ -107,6 +108,7 @@ def run_gates(
 ) -> dict:
     """Score reference and engine on the same tokens; the report says which thresholds fail (if any)."""
     device = resolve_device(device)  # a device this machine lacks fails now, not after the reference has run
+    expert_format = resolve_tile_format(expert_format, files.ckpt.config)
     ids, prefill = gate_ids(files, tokens)
     want = reference_scores(files, ids, prefill, qat)
     got = engine_scores(files, ids, prefill, tp, expert_slots, expert_format, cache_dir, qat, progress, device=device)

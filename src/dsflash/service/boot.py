@@ -23,7 +23,7 @@ class BootOptions:
     backend: str = "engine"
     tp: int = 1
     expert_slots: int | None = None
-    expert_format: str = "bfp4_b"
+    expert_format: str = "auto"  # bfp4_b | bfp8_b | auto (store.layout.resolve_tile_format, once the model is known)
     device: str = "auto"  # engine: cpu | cuda | auto (runtime.rank.resolve_device)
     max_queue: int = 64
     max_model_len: int | None = None  # overrides the profile's context
@@ -164,13 +164,19 @@ class EngineBackend:
             raise ConfigError(f"--expert-slots must be at least 1, got {opts.expert_slots}")
         from dsflash.runtime.rank import resolve_device
 
-        self.opts = opts
-        where = resolve_device(opts.device).upper()
-        self.name = f"engine (expert slot LRU over the {opts.expert_format} store, TP {opts.tp}, {where} device)"
+        self.opts, self.fmt = opts, opts.expert_format
+        self.where = resolve_device(opts.device).upper()
         self._runner = None
 
+    @property
+    def name(self) -> str:
+        return f"engine (expert slot LRU over the {self.fmt} store, TP {self.opts.tp}, {self.where} device)"
+
     def build_store(self, files: ModelFiles, cache: Path, rebuild: bool) -> str:
-        return _build_store(files, cache, self.opts.tp, self.opts.expert_format, rebuild)
+        from dsflash.store.layout import resolve_tile_format
+
+        self.fmt = resolve_tile_format(self.opts.expert_format, files.ckpt.config)
+        return _build_store(files, cache, self.opts.tp, self.fmt, rebuild)
 
     def load_dense(self, files: ModelFiles, cache: Path, max_len: int) -> str:
         from dsflash.runtime.rank import EngineOptions, slot_count
@@ -181,7 +187,7 @@ class EngineBackend:
             str(files.path),
             max_len,
             expert_slots=slots,
-            expert_format=self.opts.expert_format,
+            expert_format=self.fmt,
             cache_dir=str(cache),
             threads=_threads(self.opts, files),
             record_routing=self.opts.record_routing,

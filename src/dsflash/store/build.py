@@ -82,9 +82,6 @@ def dequant_fp4(packed, scale) -> np.ndarray:
     return v.reshape(rows, groups * 32)
 
 
-FACE = 16  # elements sharing one exponent along a row of a bfp tile
-
-
 class ExpertSource:
     """One routed expert of the checkpoint, packed shard by shard. bfp4_b from FP4 takes the direct FP4 -> bfp4
     path on row slices (w1, w3) and on column slices that keep whole 32-column scale groups (w2 when
@@ -119,23 +116,18 @@ class ExpertSource:
         """Packed rows a:b of w1 / w3."""
         t, s = self.raw[w]
         if self.geom.tile_format == "bfp4_b" and s is not None:
-            return bfp.fp4_to_bfp4(t[a:b], s[a:b])
-        return bfp.pack(self._fp32(w, slice(a, b)), self.geom.tile_format)
+            return bfp.fp4_to_bfp4(t[a:b], s[a:b], search=self.geom.search)
+        return self.geom.pack(self._fp32(w, slice(a, b)))
 
     def cols(self, a: int, b: int) -> np.ndarray:
         """Packed input columns a:b of w2."""
         t, s = self.raw["w2"]
         fmt = self.geom.tile_format
         if fmt == "bfp4_b" and s is not None and a % fp4.GROUP == 0 and b % fp4.GROUP == 0:
-            return bfp.fp4_to_bfp4(t[:, a // 2 : b // 2], s[:, a // 32 : b // 32])
+            return bfp.fp4_to_bfp4(t[:, a // 2 : b // 2], s[:, a // 32 : b // 32], search=self.geom.search)
         if self._w2 is None:
-            self._w2 = self._fp32("w2")
-            if self.geom.shard_inter % FACE:
-                # a face row (16 columns shares one exponent) would straddle two ranks, so shards packed alone
-                # would round differently at each TP degree. Round once over the whole matrix instead: the
-                # shards then hold exactly the TP-1 values (re-packing them is exact), at every degree.
-                self._w2 = bfp.unpack(bfp.pack(self._w2, fmt), fmt, self._w2.shape)
-        return bfp.pack(self._w2[:, a:b], fmt)
+            self._w2 = self.geom.w2_values(self._fp32("w2"))
+        return self.geom.pack(self._w2[:, a:b])
 
     def pieces(self) -> list[list[np.ndarray]]:
         """The record in file order: per rank, the packed w1, w3, w2 shards and the zeros up to the stride."""

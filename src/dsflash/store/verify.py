@@ -10,7 +10,6 @@ import zlib
 import numpy as np
 
 from dsflash.errors import StoreCorrupt
-from dsflash.formats import bfp
 from dsflash.store.reader import Store
 
 SHOW = 5  # bad records named in the message
@@ -85,7 +84,7 @@ def expected_parts(ckpt, prefix: str, expert: int, rank: int, geometry) -> dict[
     out = {}
     for w in ("w1", "w3", "w2"):
         full = ckpt.tensor(f"{prefix}.ffn.experts.{expert}.{w}.weight")
-        out[w] = bfp.pack(full[:, a:b] if w == "w2" else full[a:b], geometry.tile_format)
+        out[w] = geometry.pack(geometry.w2_values(full)[:, a:b] if w == "w2" else full[a:b])
     return out
 
 
