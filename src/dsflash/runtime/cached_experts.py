@@ -42,7 +42,7 @@ class CachedExperts:
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         x = x.float()
         routed = ids.cpu()  # slot bookkeeping runs on the host whatever the device
-        experts = torch.unique(routed).tolist()
+        experts = routed[0].tolist() if routed.shape[0] == 1 else torch.unique(routed).tolist()
         # resident experts first: pinned before any miss can evict them
         experts.sort(key=lambda e: ((layer, e) not in self.pool, e))
         scan = x.shape[0] >= SCAN_TOKENS  # a prefill chunk: its misses go in cold (SlotPool.acquire)
@@ -104,6 +104,9 @@ class CachedExperts:
 def _token_indices(routed: torch.Tensor, experts: list[int], device: torch.device) -> list[tuple]:
     """(tokens, top-k columns) routed to each expert, computed on the host; on a GPU they travel in one copy, not
     one blocking copy per expert."""
+    if routed.shape[0] == 1:  # decode: one token, whose top-k experts are distinct: plain views, no index tensors
+        cols = routed[0].tolist()
+        return [(slice(0, 1), cols.index(e)) for e in experts]
     found = [torch.where(routed == e) for e in experts]
     if device.type == "cpu":
         return found

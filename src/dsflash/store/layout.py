@@ -29,6 +29,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -202,7 +203,7 @@ class Geometry:
             raise IndexError(f"rank {rank} out of range 0..{self.tp - 1}")
         return rank * self.shard_inter, (rank + 1) * self.shard_inter
 
-    @property
+    @cached_property  # read on every expert lookup: computed once
     def parts(self) -> tuple[Part, Part, Part]:
         i, h = self.shard_inter, self.hidden
         out, off = [], 0
@@ -212,17 +213,17 @@ class Geometry:
             off += n
         return tuple(out)
 
-    @property
+    @cached_property
     def shard_bytes(self) -> int:
         """Packed bytes of one rank's shard of one expert (w1, w3, w2 together), without the padding."""
         return sum(p.nbytes for p in self.parts)
 
-    @property
+    @cached_property
     def stride(self) -> int:
         """Bytes from one rank block to the next."""
         return align_up(self.shard_bytes, self.align)
 
-    @property
+    @cached_property
     def record_bytes(self) -> int:
         return self.tp * self.stride
 
