@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -69,6 +70,31 @@ def test_resident_memory_stays_within_dense_slots_and_caches(wide):
         assert _rss() < dense + slots + caches + (1 << 30)
     finally:
         runner.close()
+
+
+def test_slots_fit_the_memory_left(wide, monkeypatch):
+    """The default pool shrinks to the memory left for it; an explicit count that does not fit is refused with one
+    that would, before anything is allocated (not killed for memory half-way through a boot)."""
+    from dsflash.errors import ConfigError
+    from dsflash.runtime.device import CpuDevice
+
+    files, cache = wide
+    store = build_store(files.ckpt, cache, tp=1, fmt="bfp4_b", progress=False)
+    stride = store.geometry.stride
+    monkeypatch.setattr(CpuDevice, "slot_budget", lambda self: 10 * stride + stride // 2)
+    opts = EngineOptions(str(files.path), 64, cache_dir=cache, qat=False, threads=1)
+    runner = TPRunner(opts, 1, files.token_map, files.ckpt.config.vocab_size)
+    try:
+        assert runner.rank0.experts.pool.n_slots == 10  # not 4500, nor every expert of the model
+        runner.reset()
+        assert runner.forward(list(range(3, 40)), 0, False).shape[-1] == files.ckpt.config.vocab_size
+    finally:
+        runner.close()
+    with pytest.raises(ConfigError, match=r"16 expert slots of [\d.]+ MB need .* use --expert-slots 10 or fewer"):
+        TPRunner(replace(opts, expert_slots=16), 1, files.token_map, files.ckpt.config.vocab_size)
+    monkeypatch.setattr(CpuDevice, "slot_budget", lambda self: stride - 1)
+    with pytest.raises(ConfigError, match="free some memory first"):
+        TPRunner(opts, 1, files.token_map, files.ckpt.config.vocab_size)
 
 
 @pytest.fixture()

@@ -71,3 +71,21 @@ def test_token_indices_for_a_gpu_travel_together():
     assert [t.tolist() for t, _ in host] == [[0, 2], [1, 2], [0, 1, 3], [3]]
     moved = _token_indices(routed, [0, 1, 2, 3], torch.device("meta"))
     assert [(t.device.type, t.shape, k.shape) for t, k in moved] == [("meta", t.shape, k.shape) for t, k in host]
+    # one token (decode): views of row 0 and the column of each expert, no index tensors
+    assert _token_indices(torch.tensor([[3, 1]]), [1, 3], torch.device("meta")) == [(slice(0, 1), 1), (slice(0, 1), 0)]
+
+
+def test_slot_count_clips_to_the_model_and_the_memory():
+    from dsflash.errors import ConfigError
+    from dsflash.runtime.rank import DEFAULT_SLOTS, slot_count
+
+    mb = 1 << 20
+    assert slot_count(None, 10_000, mb, 10**6 * mb) == DEFAULT_SLOTS
+    assert slot_count(None, 96, mb, 10**6 * mb) == 96  # nothing else to cache
+    assert slot_count(None, 96, mb, 40 * mb + 1) == 40  # the default shrinks to fit
+    assert slot_count(12, 96, mb, 12 * mb) == 12
+    assert slot_count(500, 96, mb, 96 * mb) == 96  # an explicit count is clipped to the model first
+    with pytest.raises(ConfigError, match="13 expert slots of 1.0 MB need 0.0 GB .* use --expert-slots 12 or fewer"):
+        slot_count(13, 96, mb, 12 * mb)
+    with pytest.raises(ConfigError, match="free some memory first"):
+        slot_count(None, 96, mb, mb - 1)

@@ -20,7 +20,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("model", help="model directory or Hub repo id[@revision]")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the engine")
-    p.add_argument("--expert-slots", type=int, default=4500, help="device expert slots (clipped to the model)")
+    p.add_argument(
+        "--expert-slots",
+        type=int,
+        default=None,
+        help="expert slots per rank (default: 4500, clipped to the model and to the memory left)",
+    )
     add_expert_format_argument(p)
     add_device_argument(p)
     p.add_argument("--tokens", type=int, default=suites.DEFAULT_TOKENS, help="tokens scored: 2/3 prefill, 1/3 decode")
@@ -38,7 +43,7 @@ def run(args) -> int:
     from dsflash.gates.run import run_gates
     from dsflash.service.files import open_files
 
-    if args.tp < 1 or args.expert_slots < 1 or args.tokens < 3:
+    if args.tp < 1 or (args.expert_slots is not None and args.expert_slots < 1) or args.tokens < 3:
         raise InvalidRequest("--tp and --expert-slots must be >= 1 and --tokens >= 3")
     thresholds = suites.Thresholds(args.min_prefill_top1, args.max_prefill_kl, args.min_decode_top1, args.max_decode_kl)
     files = open_files(args.model)

@@ -24,7 +24,12 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", choices=["reference", "engine"], default="reference", help="what computes the logits")
     p.add_argument("--no-qat", action="store_true", help="turn off the model's fake-quant points")
     p.add_argument("--tp", type=int, default=1, help="engine: tensor-parallel degree")
-    p.add_argument("--expert-slots", type=int, default=4500, help="engine: device expert slots")
+    p.add_argument(
+        "--expert-slots",
+        type=int,
+        default=None,
+        help="engine: expert slots per rank (default: 4500, clipped to the model and to the memory left)",
+    )
     add_expert_format_argument(p, "engine: ")
     add_device_argument(p, "engine: ")
     p.add_argument("--cache-dir", default=None, help="engine: expert store root (default $DSFLASH_CACHE)")
@@ -56,7 +61,7 @@ def run(args) -> int:
     from dsflash.runtime.scoring import decode_logits, prefill_logits
 
     tokens, prefill = read_tokens(args.tokens)
-    if args.tp < 1 or args.expert_slots < 1:
+    if args.tp < 1 or (args.expert_slots is not None and args.expert_slots < 1):
         raise InvalidRequest("--tp and --expert-slots must be >= 1")
     forward, close = _backend(args, len(tokens))
     try:

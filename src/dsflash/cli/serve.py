@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
         "--expert-slots",
         type=int,
         default=None,
-        help="device expert slots per rank (default: 4500, clipped to the model)",
+        help="expert slots per rank (default: 4500, clipped to the model and to the memory left; an explicit count "
+        "that does not fit is refused)",
     )
     add_expert_format_argument(p)
     add_device_argument(p)

@@ -47,7 +47,7 @@ def engine_scores(
     ids: list[int],
     prefill: int,
     tp: int = 1,
-    expert_slots: int = 4500,
+    expert_slots: int | None = None,
     expert_format: str = "bfp4_b",
     cache_dir: str | None = None,
     qat: bool = False,
@@ -97,7 +97,7 @@ def report(want: Scores, got: Scores, thresholds: Thresholds | None = None) -> d
 def run_gates(
     files: ModelFiles,
     tp: int = 1,
-    expert_slots: int = 4500,
+    expert_slots: int | None = None,
     tokens: int = DEFAULT_TOKENS,
     expert_format: str = "auto",
     cache_dir: str | None = None,

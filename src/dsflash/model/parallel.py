@@ -47,6 +47,15 @@ class TP:
         dist.all_reduce(y, group=self.group)
         return y.to(device=x.device, dtype=x.dtype)
 
+    def agree_min(self, n: int) -> int:
+        """The smallest of every rank's n: a start-up decision all ranks must share (one int, once)."""
+        if self.size == 1:
+            return n
+        nccl = dist.get_backend(self.group) == "nccl"
+        t = torch.tensor([n], dtype=torch.int64, device="cuda" if nccl else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's slice along the last dim (vocabulary-split logits)."""
         if self.size == 1:

@@ -59,6 +59,10 @@ class CudaDevice:
         self._next = 0
         self._read = SplitReader()  # one thread reads the page cache at ~8 GB/s; the link takes ~55
 
+    def slot_budget(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return max(0, free - max(1 << 30, total // 20))  # headroom for activations, workspaces, fragmentation
+
     def allocate(self, n_slots: int, nbytes: int) -> torch.Tensor:
         stride = -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
         return torch.zeros((n_slots, stride), dtype=torch.uint8, device=self.device)

@@ -23,6 +23,10 @@ from dsflash.runtime import native
 # about half of what two get (4.2 vs 8.3 GB/s here)
 SPLIT_COPY_BYTES = 1 << 20
 
+# share of the host's available memory the CPU slot pool may take: the page cache must keep holding the store the
+# misses are read from (and the Engram tables)
+CPU_SLOT_SHARE = 0.5
+
 # rows of x at or below which the expert runs as fused GEMVs on the packed tiles (decode); above it the tiles are
 # expanded to bf16 once and multiplied as matrices (prefill, expert-major: many tokens per expert)
 GEMV_MAX_ROWS = 16
@@ -52,6 +56,10 @@ class ShardLayout:
 class Device(Protocol):
     name: str
 
+    def slot_budget(self) -> int:
+        """Bytes a slot pool may take on this device now (dense weights and decode state already placed)."""
+        ...
+
     def allocate(self, n_slots: int, nbytes: int): ...
 
     def load(self, slots, slot: int, fd: int, offset: int, nbytes: int) -> None: ...
@@ -61,6 +69,18 @@ class Device(Protocol):
     ) -> torch.Tensor: ...
 
     def close(self) -> None: ...
+
+
+def host_available() -> int:
+    """Bytes the host can hand out without swapping: MemAvailable (free pages plus reclaimable page cache)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def read_into(fd: int, view: memoryview, offset: int) -> None:
@@ -115,6 +135,9 @@ class CpuDevice:
     def __init__(self, matmul_dtype: torch.dtype | str = torch.float32):
         self.matmul_dtype = matmul_dtype
         self._read = SplitReader()
+
+    def slot_budget(self) -> int:
+        return int(CPU_SLOT_SHARE * host_available())
 
     def allocate(self, n_slots: int, nbytes: int) -> np.ndarray:
         """uint8 [n_slots, nbytes], page-aligned, touched once so the pool is resident from the start."""

@@ -14,7 +14,7 @@ def start_runner(
     token_map,
     max_len: int,
     tp: int = 1,
-    expert_slots: int = 4500,
+    expert_slots: int | None = None,
     expert_format: str = "bfp4_b",
     cache_dir: str | None = None,
     qat: bool = True,

@@ -36,7 +36,7 @@ class EngineOptions:
 
     model_dir: str
     max_len: int
-    expert_slots: int = 4500
+    expert_slots: int | None = None  # None: DEFAULT_SLOTS, shrunk to fit memory (slot_count)
     expert_format: str = "bfp4_b"
     dense_format: str = "fp8"  # fp8 (where the checkpoint is FP8, bf16 elsewhere) | bf16 | fp32 (the reference's)
     cache_dir: str | None = None
@@ -53,10 +53,35 @@ class EngineOptions:
     device: str = "auto"
 
 
-def slot_count(requested: int, ckpt: Checkpoint) -> int:
-    """--expert-slots clipped to the model's routed expert count (there is nothing else to cache)."""
-    total = sum(s.n_experts for s in ckpt.config.layers())
-    return max(1, min(requested, total))
+DEFAULT_SLOTS = 4500  # the reference box's pool
+
+
+def slot_count(requested: int | None, total: int, slot_bytes: int, budget: int) -> int:
+    """Expert slots per rank: the request (None: DEFAULT_SLOTS) clipped to the model's routed experts (there is
+    nothing else to cache). The default then shrinks to what `budget` bytes hold; an explicit count that does not
+    fit is refused with the count that would, rather than allocated and killed for memory half-way."""
+    want = max(1, min(DEFAULT_SLOTS if requested is None else requested, total))
+    fit = budget // slot_bytes
+    if want <= fit:
+        return want
+    if requested is None and fit >= 1:
+        log.warning("expert slots: %d of %.1f MB fit in the %.1f GB free for them (not %d)", fit, slot_bytes / 1e6,
+                    budget / 1e9, want)  # fmt: skip
+        return fit
+    hint = f"use --expert-slots {fit} or fewer" if fit >= 1 else "free some memory first"
+    raise ConfigError(
+        f"{want:,} expert slots of {slot_bytes / 1e6:.1f} MB need {want * slot_bytes / 1e9:.1f} GB per rank, but "
+        f"{budget / 1e9:.1f} GB are free for slots (after the dense weights and the decode state); {hint}"
+    )
+
+
+def _ranks_sharing(device: torch.device, tp: TP) -> int:
+    """How many of this host's ranks take their slots from the same memory as this one."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp.size))
+    if device.type != "cuda":
+        return local
+    gpus, me = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", tp.rank))
+    return sum(1 for r in range(local) if r % gpus == me % gpus)
 
 
 def prefill_matmul(mode: str) -> str:
@@ -123,10 +148,12 @@ class RankRuntime:
         ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
         device = device or CpuDevice(matmul)
         self.routing_log = _routing_log(opts, tp, cfg)
-        self.experts = CachedExperts(
-            store, device, slot_count(opts.expert_slots, ckpt), tp.rank, cfg.swiglu_limit, self.routing_log
-        )
-        self.state = self.model.new_state(opts.max_len, device=self.device)
+        self.state = self.model.new_state(opts.max_len, device=self.device)  # before the slots take what is left
+        # every rank gets the same count: the smallest budget decides (ranks of a host share its memory)
+        budget = tp.agree_min(device.slot_budget() // _ranks_sharing(self.device, tp))
+        total = sum(s.n_experts for s in cfg.layers())
+        n_slots = slot_count(opts.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
+        self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
 
     def reset(self) -> None:
         self.state.reset()

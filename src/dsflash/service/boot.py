@@ -179,14 +179,13 @@ class EngineBackend:
         return _build_store(files, cache, self.opts.tp, self.fmt, rebuild)
 
     def load_dense(self, files: ModelFiles, cache: Path, max_len: int) -> str:
-        from dsflash.runtime.rank import EngineOptions, slot_count
+        from dsflash.runtime.rank import EngineOptions
         from dsflash.runtime.workers import TPRunner
 
-        slots = self.opts.expert_slots or EngineOptions.expert_slots
         eng = EngineOptions(
             str(files.path),
             max_len,
-            expert_slots=slots,
+            expert_slots=self.opts.expert_slots,
             expert_format=self.fmt,
             cache_dir=str(cache),
             threads=_threads(self.opts, files),
@@ -195,8 +194,9 @@ class EngineBackend:
         )
         cfg = files.ckpt.config
         # one call builds every rank: its dense shard, its store shard's slot pool, its decode state
-        self._runner = _SlotCounters(TPRunner(eng, self.opts.tp, files.token_map, cfg.vocab_size), self.opts.tp)
-        self.slots = slot_count(slots, files.ckpt)
+        runner = TPRunner(eng, self.opts.tp, files.token_map, cfg.vocab_size)
+        self._runner = _SlotCounters(runner, self.opts.tp)
+        self.slots = runner.rank0.experts.pool.n_slots  # the request, clipped to the model and to memory
         return f"{self.opts.tp} rank(s) hold their dense shard ({eng.dense_format}); the store is open"
 
     def allocate(self, max_len: int) -> str:
