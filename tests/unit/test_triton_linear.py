@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dsflash.formats import bfp  # noqa: E402
+from dsflash.formats import bfp, fp8  # noqa: E402
 from dsflash.gates.compare import compare_logits  # noqa: E402
 from dsflash.runtime.cached_experts import CachedExperts  # noqa: E402
 from dsflash.runtime.loader import build_model, load_reference  # noqa: E402
@@ -106,6 +106,39 @@ def test_bf16_kernel_on_row_views(kernels):
     torch.testing.assert_close(got[2], weight.linear(x[2:3].to(DEV))[0].cpu(), rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize(("n", "k", "m", "block"), [(160, 200, 1, 128), (64, 128, 20, 128), (256, 96, 70, 32)])
+def test_fp8_kernel_matches_the_dequantized_matrix(kernels, n, k, m, block):
+    """E4M3 bytes decoded bit for bit (normals, subnormals, signs, zeros) times each block's power of two (128: one
+    scale per kernel block; 32, the tiny fixtures': several), on ragged shapes (partial scale blocks) and as row
+    views (a TP shard of the rows)."""
+    tl_, cuda = kernels
+    g = torch.Generator().manual_seed(n + k + m)
+    w = (
+        torch.randn(n, k, generator=g)
+        * torch.exp(3 * torch.randn(n // 32 + 1, 1, generator=g)).repeat_interleave(32, 0)[:n]
+    )
+    w[5, :40] = torch.randn(40, generator=g) * 1e-3  # small values beside large ones: e4m3 subnormals
+    w[7] = 0
+    q, s = fp8.quant_block(w, block)
+    scale = fp8.e8m0_to_float(s)
+    dense = fp8.dequant_block(q, scale, block)
+    assert (q.view(torch.uint8) & 0x78 == 0).any()  # subnormal codes are exercised
+    weight = cuda.CudaFp8Weight(q.view(torch.uint8).to(DEV), scale.float().to(DEV), block)
+    x = torch.randn(m, k, generator=g)
+    got = weight.linear(x.to(DEV)).cpu()
+    want = _exact(x, dense)
+    assert got.shape == (m, n) and ((got.double() - want).abs() / want.abs().max()).max() < 4e-5
+    part = weight.rows(128, n).linear(x.to(DEV)).cpu() if n > 128 else None
+    if part is not None:
+        assert ((part.double() - want[:, 128:]).abs() / want.abs().max()).max() < 4e-5
+
+
+def test_warm_up_runs_every_format_a_rank_uses(kernels):
+    tl_, _ = kernels
+    for block in (32, 128):  # the tiny fixtures' FP8 blocks and V4.1's
+        tl_.warm_up(torch.device(DEV), ("bf16", "fp8", "bfp8_b", "bfp4_b"), block)
+
+
 def test_kernel_refuses_what_it_cannot_read(kernels):
     tl_, _ = kernels
     tiles = torch.zeros(bfp.packed_size((32, 64), "bfp4_b"), dtype=torch.uint8, device=DEV)
@@ -115,11 +148,15 @@ def test_kernel_refuses_what_it_cannot_read(kernels):
         tl_.linear(torch.zeros(1, 64, device=DEV), tiles[:-1], "bfp4_b", (32, 64))
     with pytest.raises(ValueError, match="columns"):
         tl_.linear(torch.zeros(1, 96, device=DEV), tiles, "bfp4_b", (32, 64))
+    fp8_bytes = torch.zeros(64, 256, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="fp32 scales \\[1, 2\\] of its 128-blocks"):
+        tl_.linear(torch.zeros(1, 256, device=DEV), fp8_bytes, "fp8", scale=torch.ones(1, 1, device=DEV))
 
 
 def test_tiny_model_through_the_cuda_classes(kernels, tmp_path):
-    """Dense weights as CudaWeight, experts streamed through CudaDevice slots (2 slots: evictions), on tiny_a: the
-    logits are the reference's to the bf16x2 rounding (bfp8_b holds the FP4 experts exactly)."""
+    """Dense weights as the checkpoint's FP8 blocks (CudaFp8Weight) and bf16 (CudaWeight), experts streamed through
+    CudaDevice slots (2 slots: evictions), on tiny_a: the logits are the reference's to the bf16x2 rounding (bfp8_b
+    holds the FP4 experts exactly)."""
     _, cuda = kernels
     files = open_dir(ROOT / "tiny_a" / "model")
     ckpt = files.ckpt
@@ -129,7 +166,9 @@ def test_tiny_model_through_the_cuda_classes(kernels, tmp_path):
 
     build_store(ckpt, str(tmp_path), tp=1, fmt="bfp8_b", progress=False)
     model = build_model(ckpt, files.token_map, qat=False, dspark=False)
-    cuda.pack_dense(model, torch.device(DEV))
+    cuda.pack_dense(model, torch.device(DEV), ckpt)
+    packed = [type(m.packed).__name__ for m in model.modules() if hasattr(m, "packed")]
+    assert packed.count("CudaFp8Weight") > 20 and "CudaWeight" in packed  # the checkpoint's FP8 and bf16 matrices
     to_device(model, torch.device(DEV))
     store = open_store(ckpt, str(tmp_path), tp=1, fmt="bfp8_b")
     experts = CachedExperts(store, cuda.CudaDevice(DEV), 2, 0, ckpt.config.swiglu_limit)

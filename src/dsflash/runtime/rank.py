@@ -136,10 +136,10 @@ class RankRuntime:
             from dsflash.runtime import cuda, triton_linear
 
             torch.cuda.set_device(self.device)
-            self.dense_bytes = cuda.pack_dense(self.model, self.device)
+            self.dense_bytes = cuda.pack_dense(self.model, self.device, ckpt, opts.dense_format)
             to_device(self.model, self.device)
             device = device or cuda.CudaDevice(self.device)
-            triton_linear.warm_up(self.device, ("bf16", opts.expert_format))  # dense and expert kernels
+            triton_linear.warm_up(self.device, ("bf16", "fp8", opts.expert_format), cfg.fp8_block)  # dense, experts
         elif opts.dense_format != "fp32":
             self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul)
         _fuse_sinkhorn(self.model, on_gpu)

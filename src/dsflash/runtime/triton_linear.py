@@ -1,4 +1,5 @@
-"""y = x W^T on CUDA with W kept in its device format: bf16 rows, or bfp8_b / bfp4_b tiles decoded in the kernel.
+"""y = x W^T on CUDA with W kept in its device format: bf16 rows, FP8 E4M3 rows with power-of-two block scales, or
+bfp8_b / bfp4_b tiles, decoded in the kernel.
 
 One Triton kernel serves decode (a few rows) and prefill (many): each program owns BM rows of x and BN outputs and
 walks K. The weight block is decoded to bf16 in registers (exact for every format here); x is split into two bf16
@@ -12,6 +13,9 @@ Tile layout (docs/bfp_format.md): tiles row-major over the [rows/32, cols/32] gr
 bottom-left, bottom-right). A code is sign << m | magnitude; bfp4_b packs two per byte, even column low nibble.
 Decoding follows formats/bfp.py bit for bit: zero code -> signed zero, exponent field below zero -> 0.
 
+FP8 rows decode bit by bit (E4M3FN: bias 7, subnormals below exponent field 1; the NaN code 0x7F is not expected
+in weights) and take their block's scale, a power of two, so the bf16 block is exact too.
+
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors (the tests use that to check the byte layout).
 """
 
@@ -22,6 +26,8 @@ import triton
 import triton.language as tl
 
 from dsflash.formats import bfp
+
+FP8_BLOCK = 128  # the checkpoint's FP8 scale blocks (config fp8_block)
 
 
 @triton.jit
@@ -54,20 +60,43 @@ def _decode_tile_block(w_ptr, n0, k0, N, tiles_per_row, BN: tl.constexpr, BK: tl
     return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
+@triton.jit
+def _decode_fp8_block(w_ptr, s_ptr, n0, k0, N, K, stride_wn, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
+                      SB: tl.constexpr):  # fmt: skip
+    """The [BN, BK] block of W at (n0, k0) from E4M3 bytes times its SB x SB scale block's power of two, as bf16
+    (exact). Zeros outside the matrix."""
+    n = n0 + tl.arange(0, BN)[:, None]
+    k = k0 + tl.arange(0, BK)[None, :]
+    inside = (n < N) & (k < K)
+    b = tl.load(w_ptr + n.to(tl.int64) * stride_wn + k, mask=inside, other=0).to(tl.int32)
+    sign, e, mant = (b >> 7) & 1, (b >> 3) & 0xF, b & 7
+    normal = ((sign << 31) | ((e + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+    sub = mant.to(tl.float32) * 0.001953125  # mant x 2^-9
+    v = tl.where(e == 0, tl.where(sign == 1, -sub, sub), normal)
+    if SB % BN == 0 and SB % BK == 0:  # the block lies in one scale block (the checkpoint's 128): one load
+        s = tl.load(s_ptr + (n0 // SB).to(tl.int64) * stride_sn + k0 // SB)
+    else:
+        s = tl.load(s_ptr + (n // SB).to(tl.int64) * stride_sn + k // SB, mask=inside, other=0.0)
+    return (v * s).to(tl.bfloat16)
+
+
 # M (rows of x) and the tile grid's width vary per call; specializing on them would compile a variant per value
 @triton.jit(do_not_specialize=["M", "tiles_per_row"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     y_ptr,
     M,
     N,
     K,
     stride_xm,
     stride_wn,
+    stride_sn,
     stride_ym,
     tiles_per_row,
-    MBITS: tl.constexpr,  # 0: W is bf16 rows; 7 / 3: bfp8_b / bfp4_b tiles
+    MBITS: tl.constexpr,  # 0: W is bf16 rows; -1: FP8 rows with SB x SB scale blocks at s_ptr; 7 / 3: bfp8_b / bfp4_b
+    SB: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -93,6 +122,8 @@ def _linear_kernel(
                 mask=(rn[:, None] < N) & (kk[None, :] < K),
                 other=0.0,
             )
+        elif MBITS == -1:
+            w = _decode_fp8_block(w_ptr, s_ptr, pid_n * BN, k0, N, K, stride_wn, stride_sn, BN, BK, SB)
         else:
             w = _decode_tile_block(w_ptr, pid_n * BN, k0, N, tiles_per_row, BN, BK, MBITS)
         wt = tl.trans(w)
@@ -110,36 +141,59 @@ def _blocks(m: int) -> tuple[int, int, int]:
     return bm, 32, 64
 
 
-def warm_up(device: torch.device, fmts: tuple[str, ...]) -> None:
+def warm_up(device: torch.device, fmts: tuple[str, ...], fp8_block: int = FP8_BLOCK) -> None:
     """Compile the kernel for each format and row-block size before the first request needs it (a compile takes
     about a second; a prefill would otherwise pay it inside its TTFT). Shapes here have the same divisibility as
     the model's, so they hit the same compiled variants."""
     for fmt in fmts:
+        scale = None
         if fmt == "bf16":
             w = torch.zeros(64, 64, dtype=torch.bfloat16, device=device)
+        elif fmt == "fp8":
+            w = torch.zeros(64, 64, dtype=torch.uint8, device=device)
+            scale = torch.ones(-(-64 // fp8_block), -(-64 // fp8_block), device=device)
         else:
             w = torch.zeros(bfp.packed_size((64, 64), fmt), dtype=torch.uint8, device=device)
         for m in (1, 32, 64):
-            linear(torch.zeros(m, 64, device=device), w, fmt, (64, 64))
+            linear(torch.zeros(m, 64, device=device), w, fmt, (64, 64), scale=scale, block=fp8_block)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, fmt: str, shape: tuple[int, int] | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fmt: str,
+    shape: tuple[int, int] | None = None,
+    scale: torch.Tensor | None = None,
+    block: int = FP8_BLOCK,
+) -> torch.Tensor:
     """x [M, K] (any float dtype) @ W^T -> fp32 [M, N].
 
-    fmt "bf16": w is bf16 [N, K] (rows may be strided, columns contiguous). fmt "bfp8_b"/"bfp4_b": w is the uint8
-    tile bytes of a [N, K] matrix whose sides are multiples of 32 (`shape`); x's K may be narrower than the padded
-    columns (the missing columns count as zeros)."""
-    mbits = 0 if fmt == "bf16" else bfp.MANTISSA_BITS.get(fmt)
+    fmt "bf16": w is bf16 [N, K] (rows may be strided, columns contiguous). fmt "fp8": w is the uint8 E4M3 bytes
+    [N, K] (columns contiguous) and `scale` the fp32 powers of two of its `block` x `block` blocks
+    [ceil(N/block), ceil(K/block)]. fmt "bfp8_b"/"bfp4_b": w is the uint8 tile bytes of a [N, K] matrix whose sides
+    are multiples of 32 (`shape`); x's K may be narrower than the padded columns (the missing columns count as
+    zeros)."""
+    mbits = {"bf16": 0, "fp8": -1}.get(fmt, bfp.MANTISSA_BITS.get(fmt))
     if mbits is None:
         raise ValueError(f"unknown weight format {fmt!r}")
     x = x.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
+    s, stride_sn = x, 0  # a placeholder pointer where no scales are read
     if mbits == 0:
         if w.dtype != torch.bfloat16 or w.stride(-1) != 1:
             raise ValueError("bf16 linear needs a bf16 weight with contiguous rows")
         n, kw = w.shape
+        stride_wn, tiles_per_row = w.stride(0), 0
+    elif mbits == -1:
+        if w.dtype != torch.uint8 or w.dim() != 2 or w.stride(-1) != 1:
+            raise ValueError("fp8 linear needs uint8 E4M3 bytes [N, K] with contiguous rows")
+        n, kw = w.shape
+        grid = (-(-n // block), -(-kw // block))
+        if block < 1 or scale is None or tuple(scale.shape) != grid or scale.dtype != torch.float32:
+            raise ValueError(f"fp8 linear needs fp32 scales {list(grid)} of its {block}-blocks")
+        s, stride_sn = scale.contiguous(), grid[1]
         stride_wn, tiles_per_row = w.stride(0), 0
     else:
         n, kw = shape
@@ -158,15 +212,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, fmt: str, shape: tuple[int, int] | 
     _linear_kernel[grid](
         x,
         w,
+        s,
         y,
         m,
         n,
         k,
         x.stride(0),
         stride_wn,
+        stride_sn,
         y.stride(0),
         tiles_per_row,
         MBITS=mbits,
+        SB=block,
         BM=bm,
         BN=bn,
         BK=bk,
