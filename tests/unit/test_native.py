@@ -100,6 +100,24 @@ def test_amx_products_are_fp32_grade_and_row_independent(m, n, k):
         assert torch.equal(native.amx_linear(x[:5], expand(0, n).clone()), y[:5]), name
 
 
+@pytest.mark.skipif(not native.amx_ready(), reason="no AMX-BF16 on this CPU")
+@pytest.mark.parametrize("m,n,k", [(9, 64, 64), (40, 96, 256), (70, 70, 160), (33, 256, 96)])
+def test_amx_on_packed_weights_is_amx_on_their_expansion(m, n, k):
+    """Panels expanded where they are multiplied give the bits of the whole expansion multiplied: FP8 (ragged rows,
+    several scale blocks), bfp4_b and bfp8_b tiles."""
+    w, x = torch.randn(n, k) * 0.05, torch.randn(m, k)
+    q, s = fp8.quant_block(w, 32)
+    w8, s256 = q.view(torch.uint8).contiguous(), (s.float() * 256).contiguous()
+    want = native.amx_linear(x, native.fp8_dequant(w8, s256, 32, torch.bfloat16).clone())
+    assert torch.equal(native.amx_packed(x, w8, "fp8", (n, k), s256, 32), want)
+    if n % 32 == 0:
+        for fmt in ("bfp4_b", "bfp8_b"):
+            tiles = bfp.pack(w.numpy(), fmt)
+            want = native.amx_linear(x, native.dequant_bf16(tiles, (n, k), fmt).clone())
+            assert torch.equal(native.amx_packed(x, tiles, fmt, (n, k)), want), fmt
+    assert native.amx_packed(x[:, :40], w8[:, :40].contiguous(), "fp8", (n, 40), s256, 32) is None  # K % 32: expand
+
+
 def test_fused_sinkhorn_is_the_models(kernels):
     """One C call for mHC's Sinkhorn: the torch version's result to float32 rounding, decode-sized and prefill-sized,
     including rows whose logits differ by hundreds (the softmax's max subtraction matters there)."""

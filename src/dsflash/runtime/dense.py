@@ -54,6 +54,10 @@ class Fp8Weight:
             if y is not None:
                 return y.view(*lead, -1)
         amx = self.matmul == native.BF16X2
+        if amx:  # each 32-row panel expanded where it is multiplied, not the whole matrix through memory first
+            y = native.amx_packed(flat, self.q, "fp8", tuple(self.q.shape), self.scale256, self.block)
+            if y is not None:
+                return y.view(*lead, -1)
         w = native.fp8_dequant(self.q, self.scale256, self.block, torch.bfloat16 if amx else self.matmul)
         if amx:
             return native.amx_linear(flat, w).view(*lead, -1)

@@ -167,7 +167,8 @@ class CpuDevice:
             if a.shape[0] <= GEMV_MAX_ROWS:
                 return native.gemv(view(m), (m.rows, m.cols), fmt, a)
             if dtype == native.BF16X2:
-                return native.amx_linear(a, native.dequant_bf16(view(m), (m.rows, m.cols), fmt))
+                y = native.amx_packed(a, view(m), fmt, (m.rows, m.cols))  # panels expanded where multiplied
+                return y if y is not None else native.amx_linear(a, native.dequant_bf16(view(m), (m.rows, m.cols), fmt))
             if dtype == torch.float32:
                 return F.linear(a.float(), native.dequant_f32(view(m), (m.rows, m.cols), fmt))
             w = native.dequant_bf16(view(m), (m.rows, m.cols), fmt)

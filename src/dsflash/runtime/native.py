@@ -79,6 +79,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.bf16_gemv.argtypes = [p, i, i, p, i, p, i, i]
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], i
     lib.amx_linear.argtypes = [p, i, i, p, i, i, i, p]
+    lib.amx_linear_packed.argtypes, lib.amx_linear_packed.restype = [i, p, p, i, i, i, p, i, i, p], i
     lib.split_vnni.argtypes = [p, i, i, p, i, i]
     lib.sinkhorn.argtypes = [p, ctypes.c_int64, i, i, ctypes.c_float]
     return lib
@@ -214,6 +215,15 @@ def _up32(n: int) -> int:
     return -(-n // 32) * 32
 
 
+def _vnni(x: torch.Tensor, kp: int) -> tuple[torch.Tensor, int]:
+    """x fp32 [m, k] -> its two bf16 terms in AMX's tile layout (split_vnni), padded to Mp tokens and kp columns."""
+    m, k = x.shape
+    mp = _up32(m)
+    xv = scratch((2 * mp, kp), torch.int16)
+    lib().split_vnni(x.data_ptr(), m, k, xv.data_ptr(), mp, kp)
+    return xv, mp
+
+
 def amx_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [m, k] fp32 @ W^T for W bf16 [n, k] (an expansion, or a bf16 weight) -> fp32 [m, n]: x enters as two bf16
     terms, W exactly, and products sum in fp32 in an order fixed per output element (see amx_cpu.c)."""
@@ -221,15 +231,32 @@ def amx_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (m, k), (n, kw) = x.shape, w.shape
     if k != kw:
         raise ValueError(f"x has {k} columns, W {kw}")
-    Mp, Kp, Np = _up32(m), _up32(k), _up32(n)
+    Kp, Np = _up32(k), _up32(n)
     if (Np, Kp) != (n, k) or not w.is_contiguous():  # tiles read whole 32-row, 32-column blocks
         padded = scratch((Np, Kp), torch.bfloat16)
         padded.zero_()
         padded[:n, :k] = w
         w = padded
-    xv = scratch((2 * Mp, Kp), torch.int16)
+    xv, mp = _vnni(x, Kp)
     y = torch.empty(m, n, dtype=torch.float32)
+    lib().amx_linear(w.data_ptr(), Np, Kp, xv.data_ptr(), mp, m, n, y.data_ptr())
+    return y
+
+
+def amx_packed(x: torch.Tensor, w, fmt: str, shape: tuple[int, int], scale256=None, block: int = 0):
+    """amx_linear(x, expansion of W) without the expansion going through memory: each thread expands one 32-row
+    panel of W into a buffer that stays in its L2 and multiplies it at once. Same products, same order, same bits.
+    fmt "fp8" (w: uint8 [N, K] with scales x 256 of block x block), "bfp4_b" / "bfp8_b" (w: the tiles of [N, K]);
+    N and K as the expansion's. None where it cannot run (no AMX, K not a multiple of 32): expand instead."""
+    n, k = shape
+    code = 0 if fmt == "fp8" else MBITS[fmt]
     kern = lib()
-    kern.split_vnni(x.data_ptr(), m, k, xv.data_ptr(), Mp, Kp)
-    kern.amx_linear(w.data_ptr(), Np, Kp, xv.data_ptr(), Mp, m, n, y.data_ptr())
+    x = x.float().contiguous()
+    if kern is None or k % 32 or x.shape[1] != k or (code and n % 32) or not amx_ready():
+        return None
+    xv, mp = _vnni(x, k)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    sp = scale256.data_ptr() if scale256 is not None else None
+    if not kern.amx_linear_packed(code, _ptr(w), sp, block, n, k, xv.data_ptr(), mp, x.shape[0], y.data_ptr()):
+        return None
     return y

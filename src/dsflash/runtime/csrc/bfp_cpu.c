@@ -242,32 +242,44 @@ static inline void store16(void *out, size_t at, int bf16, const float *v) {
 }
 #endif
 
-/* W rows of tile rows [tr0, tr1) -> row-major [tr*32, tc*32], fp32 or bfloat16 (bf16 != 0), for matrix products. */
-void bfp_expand(const uint8_t *tiles, int tr, int tc, int m, void *out, int bf16, int tr0, int tr1) {
+/* tile row ti of W -> its 32 rows at out (row-major, leading dimension tc * 32), fp32 or bfloat16 (bf16 != 0) */
+static void expand_tile_row(const uint8_t *tiles, int tc, int m, const float *sc, int ti, void *out, int bf16) {
     const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
     const size_t width = (size_t)tc * 32;
-    float sc[256];
-    scales(m, sc);
-#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
-    for (int ti = tr0; ti < tr1; ti++) {
-        float v[16];
-        (void)v;
-        for (int tj = 0; tj < tc; tj++) {
-            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-            for (int f = 0; f < 4; f++) {
-                const uint8_t *d = t + 64 + f * fb;
-                for (int r = 0; r < 16; r++) {
-                    size_t at = ((size_t)ti * 32 + (f >> 1) * 16 + r) * width + tj * 32 + (f & 1) * 16;
-                    float s = sc[t[16 * f + r]];
+    float v[16];
+    (void)v;
+    for (int tj = 0; tj < tc; tj++) {
+        const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+        for (int f = 0; f < 4; f++) {
+            const uint8_t *d = t + 64 + f * fb;
+            for (int r = 0; r < 16; r++) {
+                size_t at = (size_t)((f >> 1) * 16 + r) * width + tj * 32 + (f & 1) * 16;
+                float s = sc[t[16 * f + r]];
 #ifdef __AVX512F__
-                    store16(out, at, bf16, _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(s)));
+                store16(out, at, bf16, _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(s)));
 #else
-                    decode_row(d + r * rb, m, v);
-                    for (int c = 0; c < 16; c++) v[c] *= s;
-                    store16(out, at, bf16, v);
+                decode_row(d + r * rb, m, v);
+                for (int c = 0; c < 16; c++) v[c] *= s;
+                store16(out, at, bf16, v);
 #endif
-                }
             }
         }
     }
+}
+
+/* W rows of tile rows [tr0, tr1) -> row-major [tr*32, tc*32], fp32 or bfloat16 (bf16 != 0), for matrix products. */
+void bfp_expand(const uint8_t *tiles, int tr, int tc, int m, void *out, int bf16, int tr0, int tr1) {
+    const size_t panel = (size_t)32 * tc * 32 * (bf16 ? 2 : 4); /* bytes of one tile row's expansion */
+    float sc[256];
+    (void)tr;
+    scales(m, sc);
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
+    for (int ti = tr0; ti < tr1; ti++) expand_tile_row(tiles, tc, m, sc, ti, (uint8_t *)out + ti * panel, bf16);
+}
+
+/* tile row ti of W -> 32 bfloat16 rows at out: one panel of a fused product (amx_linear_bfp) */
+void bfp_panel_bf16(const uint8_t *tiles, int tc, int m, int ti, uint16_t *out) {
+    float sc[256];
+    scales(m, sc);
+    expand_tile_row(tiles, tc, m, sc, ti, out, 1);
 }

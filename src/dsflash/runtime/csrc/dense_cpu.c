@@ -228,46 +228,62 @@ void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y
     }
 }
 
-/* FP8 rows [r0, r1) -> [O, I] with the block scales applied, fp32 or bfloat16 (bf16 != 0; exact: an FP8 value times
- * a power of two has at most 4 significant bits), for matrix products (prefill). Scales are x 256 as above. */
-void fp8_expand(const uint8_t *w, const float *scale, int O, int I, int B, void *out, int bf16, int r0, int r1) {
-    const int nbc = (I + B - 1) / B;
-#pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
-    for (int o = r0; o < r1; o++) {
-        const uint8_t *row = w + (size_t)o * I;
-        const float *sr = scale + (size_t)(o / B) * nbc;
-        float *f32 = (float *)out + (size_t)o * I;
-        uint16_t *h16 = (uint16_t *)out + (size_t)o * I;
-        int c = 0;
+/* one FP8 row with its scales (x 256, as above) -> I values at out, fp32 or bfloat16 (bf16 != 0; exact: an FP8 value
+ * times a power of two has at most 4 significant bits) */
+static void expand_row(const uint8_t *row, const float *sr, int I, int B, void *out, int bf16) {
+    float *f32 = (float *)out;
+    uint16_t *h16 = (uint16_t *)out;
+    int c = 0;
 #ifdef __AVX512F__
-        if (B % 32 == 0 && I % B == 0) {
-            for (int j = 0; c < I; j++) {
-                __m512 s = _mm512_set1_ps(sr[j]);
-                for (int end = c + B; c < end; c += 32) {
-                    __m512 lo, hi;
-                    e4m3x32_scaled(row + c, s, &lo, &hi);
-                    if (bf16) {
-                        _mm256_storeu_si256((__m256i *)(h16 + c),
-                                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
-                        _mm256_storeu_si256((__m256i *)(h16 + c + 16),
-                                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
-                    } else {
-                        _mm512_storeu_ps(f32 + c, lo);
-                        _mm512_storeu_ps(f32 + c + 16, hi);
-                    }
+    if (B % 32 == 0 && I % B == 0) {
+        for (int j = 0; c < I; j++) {
+            __m512 s = _mm512_set1_ps(sr[j]);
+            for (int end = c + B; c < end; c += 32) {
+                __m512 lo, hi;
+                e4m3x32_scaled(row + c, s, &lo, &hi);
+                if (bf16) {
+                    _mm256_storeu_si256((__m256i *)(h16 + c),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+                    _mm256_storeu_si256((__m256i *)(h16 + c + 16),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
+                } else {
+                    _mm512_storeu_ps(f32 + c, lo);
+                    _mm512_storeu_ps(f32 + c + 16, hi);
                 }
             }
         }
+    }
 #endif
-        for (; c < I; c++) {
-            float v = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
-            if (bf16) {
-                uint32_t bits;
-                memcpy(&bits, &v, 4);
-                h16[c] = (uint16_t)(bits >> 16);
-            } else {
-                f32[c] = v;
-            }
+    for (; c < I; c++) {
+        float v = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
+        if (bf16) {
+            uint32_t bits;
+            memcpy(&bits, &v, 4);
+            h16[c] = (uint16_t)(bits >> 16);
+        } else {
+            f32[c] = v;
         }
+    }
+}
+
+/* FP8 rows [r0, r1) -> [O, I] with the block scales applied, fp32 or bfloat16, for matrix products (prefill). */
+void fp8_expand(const uint8_t *w, const float *scale, int O, int I, int B, void *out, int bf16, int r0, int r1) {
+    const int nbc = (I + B - 1) / B;
+    (void)O;
+#pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
+    for (int o = r0; o < r1; o++)
+        expand_row(w + (size_t)o * I, scale + (size_t)(o / B) * nbc, I, B, (uint8_t *)out + (size_t)o * I * (bf16 ? 2 : 4),
+                   bf16);
+}
+
+/* FP8 rows [r0, r0 + 32) -> 32 bfloat16 rows at out (rows past O zero): one panel of a fused product */
+void fp8_panel_bf16(const uint8_t *w, const float *scale, int O, int I, int B, int r0, uint16_t *out) {
+    const int nbc = (I + B - 1) / B;
+    for (int o = r0; o < r0 + 32; o++) {
+        uint16_t *dst = out + (size_t)(o - r0) * I;
+        if (o < O)
+            expand_row(w + (size_t)o * I, scale + (size_t)(o / B) * nbc, I, B, dst, 1);
+        else
+            memset(dst, 0, (size_t)I * 2);
     }
 }
