@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from tests.model.conftest import ROOT
 from tests.server.conftest import dsflash_env, free_port, port_open, start_server
 
 
@@ -107,3 +108,24 @@ def test_boot_failure_is_one_clear_line(tmp_path):
     assert "p300x2-32k" in r.stdout and "33792" in r.stdout
     r = dsflash(env, "serve", "rothgar/deepseek-v4.1-flash-p300x2", "--profile", "nope", timeout=30)
     assert r.returncode == 1 and "p300x2-32k" in r.stderr
+
+
+def test_a_store_built_for_something_else_is_refused_until_rebuild(tmp_path):
+    """A model's expert store built for another TP degree is never used: serve refuses with the fix in one line, and
+    with --rebuild replaces it (the boot row says why)."""
+    model = str(ROOT / "tiny_a" / "model")
+    cache = tmp_path / "cache"
+    env = dsflash_env(tmp_path / "state", cache)
+    r = dsflash(env, "store", "build", model, "--tp", "2", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    r = dsflash(env, "serve", model, "--port", str(free_port()), timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "TP degree 2 (store) vs 1 (requested)" in err[0] and "--rebuild" in err[0]
+    srv = start_server(tmp_path, cache, model, "--rebuild")
+    try:
+        srv.wait_ready()
+        out = srv.wait_output("Ready in")
+        assert "rebuilt (built for TP degree 2 (store) vs 1 (requested))" in out
+    finally:
+        srv.stop()

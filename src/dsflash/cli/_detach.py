@@ -34,6 +34,8 @@ def child_argv(args) -> list[str]:
     ):
         if value is not None:
             argv += [flag, str(value)]
+    if args.rebuild:
+        argv.append("--rebuild")
     return argv
 
 

@@ -141,12 +141,14 @@ class Console:
         self.file = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None  # noqa: SIM115
         self._pending = False
 
-    def line(self, text: str) -> None:
+    def line(self, text: str, stream=None) -> None:
+        """A line for the terminal (stdout, or `stream`: errors go to stderr) and the log file."""
         if self.to_stdout:
             if self._pending:
                 sys.stdout.write("\r\033[K")
+                sys.stdout.flush()
                 self._pending = False
-            print(text, flush=True)
+            print(text, file=stream or sys.stdout, flush=True)
         if self.file is not None:
             self.file.write(text + "\n")
 

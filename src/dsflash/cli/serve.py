@@ -65,6 +65,12 @@ def add_parser(sub) -> None:
         "--cache-dir", default=None, help="generated models and expert stores ($DSFLASH_CACHE or ~/.cache/dsflash)"
     )
     p.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="replace an expert store built for another TP degree, tile format, revision or store version (without "
+        "it such a store is refused: rebuilding V4.1-Flash's takes tens of minutes)",
+    )
+    p.add_argument(
         "--default-chat-template-kwargs",
         default=None,
         metavar="JSON",
@@ -136,6 +142,7 @@ class _Serve:
             max_queue=args.max_queue,
             max_model_len=args.max_model_len,
             cache_dir=args.cache_dir,
+            rebuild_store=args.rebuild,
             record_routing=os.path.abspath(args.record_routing) if args.record_routing else None,
         )
         self.backend = make_backend(self.opts)  # a flag the backend cannot honour fails before anything starts
@@ -191,7 +198,7 @@ class _Serve:
         try:
             booted = boot(self.choice, self.opts, self._report, self.backend)
         except Exception as e:
-            self.console.line(f"dsflash serve: error: {e}")
+            self.console.line(f"dsflash serve: error: {e}", sys.stderr)
             with contextlib.suppress(Exception):
                 self.backend.close()
             self.exit_code = 1

@@ -28,6 +28,7 @@ class BootOptions:
     max_queue: int = 64
     max_model_len: int | None = None  # overrides the profile's context
     cache_dir: str | None = None
+    rebuild_store: bool = False  # replace a store built for something else (the embedded model's always is)
     prefill_chunk: int = 512
     threads: int | None = None  # torch intra-op threads; None: chosen by the backend
     record_routing: str | None = None  # engine: append every MoE call's routing to this JSON-lines file
@@ -283,8 +284,10 @@ def _inventory(ctx: _Ctx) -> str:
 
 
 def _store(ctx: _Ctx) -> str:
-    # a store of an older format of our own generated model is rebuilt; a real model's is refused with the fix
-    return ctx.backend.build_store(ctx.files, cache_root(ctx.opts.cache_dir), rebuild=ctx.choice.embedded)
+    # a store of an older format of our own generated model is rebuilt; a real model's only with --rebuild (it may
+    # take tens of minutes), else it is refused with that fix
+    rebuild = ctx.choice.embedded or ctx.opts.rebuild_store
+    return ctx.backend.build_store(ctx.files, cache_root(ctx.opts.cache_dir), rebuild=rebuild)
 
 
 def _dense(ctx: _Ctx) -> str:
