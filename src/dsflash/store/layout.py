@@ -42,9 +42,8 @@ FORMAT = "dsflash-expert-store"
 # lower-error shared exponent (formats.bfp `search`)
 FORMAT_VERSION = 3
 TILE_FORMATS = ("bfp4_b", "bfp8_b")
-AUTO = (
-    "auto"  # bfp8_b (exact for FP4 experts) where its whole store fits in RAM_SHARE of the host's memory, else bfp4_b
-)
+# resolve_tile_format: bfp8_b (exact for FP4 experts) where its whole store fits in RAM_SHARE of the host's memory
+AUTO = "auto"
 RAM_SHARE = 0.25  # the page cache must also hold the Engram tables and the dense weights beside the slots
 ALIGN = 4096
 CHECKSUM = "crc32"
