@@ -3,9 +3,9 @@
 Both formats hold the checkpoint's values exactly (FP8 x power-of-two block scale; BF16). Few rows (decode) run
 the native GEMV kernels: fp32 activations, fp32 products, about one read of the weight. Many rows (prefill) expand
 the weight and multiply as matrices, in the prefill matmul mode (runtime.rank.EngineOptions): bf16x2 on AMX (x as
-two bf16 terms, fp32 sums in a fixed order per output), fp32 on the BLAS, or bf16 on the BLAS where every rank
-computes whole outputs (fp32 where a rank produces partial sums). fp32 and bf16x2 runs at any TP degree differ from
-a TP-1 run only in the order partial sums are added.
+two bf16 terms, fp32 sums in a fixed order per output; FP8 expands panel by panel inside the product), fp32 on the
+BLAS, or bf16 on the BLAS where every rank computes whole outputs (fp32 where a rank produces partial sums). fp32
+and bf16x2 runs at any TP degree differ from a TP-1 run only in the order partial sums are added.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ SPLIT_COPY_BYTES = 1 << 20
 CPU_SLOT_SHARE = 0.5
 
 # rows of x at or below which the expert runs as fused GEMVs on the packed tiles (decode); above it the tiles are
-# expanded to bf16 once and multiplied as matrices (prefill, expert-major: many tokens per expert)
+# expanded to bf16 and multiplied as matrices (prefill, expert-major: many tokens per expert)
 GEMV_MAX_ROWS = 16
 
 
@@ -127,7 +127,8 @@ class CpuDevice:
 
     Few tokens per expert (decode): fused GEMVs straight on the tiles, fp32 activations. Many (prefill): the tiles
     expand (exactly) and multiply as matrices in `matmul_dtype`: fp32 (the BLAS), native.BF16X2 (AMX, fp32-grade
-    activations) or bf16 (the BLAS in bf16 for w1 and w3; w2, whose outputs are partial sums, then in fp32).
+    activations; the tiles expand panel by panel inside the product) or bf16 (the BLAS in bf16 for w1 and w3; w2,
+    whose outputs are partial sums, then in fp32).
     """
 
     name = "cpu"
