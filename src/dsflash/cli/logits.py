@@ -96,21 +96,18 @@ def _backend(args, max_len: int):
 
         ref = load_reference(files.ckpt, files.token_map, qat=not args.no_qat, dspark=False)
         return reference_forward(ref, max_len), lambda: None
-    from dsflash.runtime.rank import EngineOptions
-    from dsflash.runtime.workers import TPRunner
-    from dsflash.store.build import build_store
+    from dsflash.runtime.launch import start_runner
     from dsflash.store.layout import resolve_tile_format
 
-    fmt = resolve_tile_format(args.expert_format, files.ckpt.config)
-    build_store(files.ckpt, args.cache_dir, tp=args.tp, fmt=fmt, progress=False, rebuild=True)
-    opts = EngineOptions(
-        str(files.path),
+    runner = start_runner(
+        files.ckpt,
+        files.token_map,
         max_len,
+        tp=args.tp,
         expert_slots=args.expert_slots,
-        expert_format=fmt,
+        expert_format=resolve_tile_format(args.expert_format, files.ckpt.config),
         cache_dir=args.cache_dir,
         qat=not args.no_qat,
         device=args.device,
     )
-    runner = TPRunner(opts, args.tp, files.token_map, files.ckpt.config.vocab_size)
     return runner_forward(runner), runner.close

@@ -1,7 +1,7 @@
 """The CUDA device: expert slots in GPU memory filled from the store through pinned staging buffers, the routed
 expert FFN straight from a slot's bfp tiles, and dense weights kept as the checkpoint's FP8 blocks (bf16 where it has
-no FP8) on the GPU. Every product is the Triton
-kernel of runtime/triton_linear.py (bf16 tensor-core products of x split in two bf16 terms, fp32 sums).
+no FP8) on the GPU. Every product is the Triton kernel of runtime/triton_linear.py (bf16 tensor-core products of x
+split in two bf16 terms, fp32 sums).
 
 Imported only when a rank runs on CUDA: the CPU engine needs neither triton nor a GPU. With TRITON_INTERPRET=1 the
 same classes run on CPU tensors (tests/unit/test_triton_linear.py checks the path that way where no GPU exists).
@@ -12,67 +12,42 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsflash.model.block import Head
 from dsflash.model.experts import swiglu
-from dsflash.model.layers import Linear
-from dsflash.runtime import triton_linear
-from dsflash.runtime.dense import Fp8Weight
+from dsflash.runtime import dense, triton_linear
+from dsflash.runtime.dense import Bf16Weight, Fp8Weight
 from dsflash.runtime.device import PackedMatrix, ShardLayout, SplitReader
 
 SLOT_ALIGN = 256  # bytes: every slot starts where a vector load of its tiles is aligned
 
 
-class CudaWeight:
+class CudaWeight(Bf16Weight):
     """A dense matrix [O, I] in bf16 on the GPU (exact for the checkpoint's bf16 and FP8 values)."""
-
-    def __init__(self, w: torch.Tensor):
-        self.w = w
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         return triton_linear.linear(x.reshape(-1, x.shape[-1]), self.w, "bf16").view(*lead, -1)
 
-    def rows(self, start: int, stop: int) -> CudaWeight:
-        return CudaWeight(self.w[start:stop])
 
-
-class CudaFp8Weight:
+class CudaFp8Weight(Fp8Weight):
     """A dense matrix [O, I] as the checkpoint's FP8 E4M3 bytes with power-of-two block scales on the GPU: half the
     bytes of bf16 for a decode step to read, decoded exactly in the kernel."""
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block: int):
-        self.q, self.scale, self.block = q, scale, block
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         return triton_linear.linear(flat, self.q, "fp8", scale=self.scale, block=self.block).view(*lead, -1)
 
-    def rows(self, start: int, stop: int) -> CudaFp8Weight:
-        if start % self.block or (stop % self.block and stop != self.q.shape[0]):
-            raise ValueError(f"rows {start}:{stop} do not follow the {self.block}-row scale blocks")
-        b0, b1 = start // self.block, -(-stop // self.block)
-        return CudaFp8Weight(self.q[start:stop], self.scale[b0:b1].contiguous(), self.block)
 
-
-def pack_dense(model: nn.Module, device: torch.device, ckpt=None, fmt: str = "fp8") -> int:
-    """Every matrix of `model` on `device`: FP8 where `ckpt` stores it FP8 and fmt is "fp8" (the values are the
-    checkpoint's exactly), bf16 elsewhere; returns the bytes they hold."""
-    total = 0
-    block = ckpt.config.fp8_block if ckpt is not None else triton_linear.FP8_BLOCK
-    for name, m in model.named_modules():
-        if not isinstance(m, Linear | Head):
-            continue
-        key = f"{name}.weight"
-        stored = ckpt.entry(key).dtype if ckpt is not None and key in ckpt else None
-        fp8 = Fp8Weight.exact(m.weight.data, block) if fmt == "fp8" and stored == "F8_E4M3" else None
-        if fp8 is not None:
-            m.packed = CudaFp8Weight(fp8.q.to(device), fp8.scale.to(device).contiguous(), block)
-            total += fp8.q.numel() + fp8.scale.numel() * 4
-        else:
-            m.packed = CudaWeight(m.weight.data.to(device=device, dtype=torch.bfloat16).contiguous())
-            total += m.packed.w.numel() * 2
-        m.weight.data = torch.empty(0, device=device)
+def pack_dense(model: nn.Module, device: torch.device, ckpt, fmt: str = "fp8") -> int:
+    """Every matrix of `model` on `device`, in the formats the CPU engine keeps (runtime.dense.pack_dense: FP8 blocks
+    where the checkpoint stores FP8 and fmt is "fp8", bf16 elsewhere); returns the bytes they hold."""
+    total = dense.pack_dense(model, ckpt, fmt)
+    for m in model.modules():
+        p = getattr(m, "packed", None)
+        if isinstance(p, Fp8Weight):
+            m.packed = CudaFp8Weight(p.q.to(device), p.scale.to(device), p.block)
+        elif isinstance(p, Bf16Weight):
+            m.packed = CudaWeight(p.w.to(device))
     return total
 
 

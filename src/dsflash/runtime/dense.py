@@ -69,7 +69,7 @@ class Fp8Weight:
         if start % self.block or (stop % self.block and stop != self.q.shape[0]):
             raise ValueError(f"rows {start}:{stop} do not follow the {self.block}-row scale blocks")
         b0, b1 = start // self.block, -(-stop // self.block)
-        return Fp8Weight(self.q[start:stop], self.scale[b0:b1], self.block, self.matmul)
+        return type(self)(self.q[start:stop], self.scale[b0:b1], self.block, self.matmul)
 
 
 class Bf16Weight:
@@ -87,7 +87,7 @@ class Bf16Weight:
         return _matmul(flat, self.w, self.matmul).view(*lead, -1)
 
     def rows(self, start: int, stop: int) -> Bf16Weight:
-        return Bf16Weight(self.w[start:stop], self.matmul)
+        return type(self)(self.w[start:stop], self.matmul)
 
 
 def pack_dense(model: nn.Module, ckpt, fmt: str = "fp8", matmul: torch.dtype | str = torch.float32) -> int:

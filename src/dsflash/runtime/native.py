@@ -1,8 +1,7 @@
 """The engine's CPU kernels (csrc/*.c: block-float experts, FP8 / bf16 dense GEMV, AMX prefill products, mHC's
-Sinkhorn): compiled
-at first use with the system C compiler, cached, and called through ctypes (which releases the GIL); the kernels
-split their rows over torch's OpenMP threads themselves. Without a compiler the same operations fall back to torch
-(correct, slower)."""
+Sinkhorn): compiled at first use with the system C compiler, cached, and called through ctypes (which releases the
+GIL); the kernels split their rows over torch's OpenMP threads themselves. Without a compiler the same operations
+fall back to torch (correct, slower)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,6 @@ and its decode state. Every rank runs the same forward calls; only rank 0 sample
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ from dsflash.runtime import native
 from dsflash.runtime.cached_experts import CachedExperts
 from dsflash.runtime.dense import pack_dense
 from dsflash.runtime.device import CpuDevice, Device
+from dsflash.runtime.torchrun import local_rank, local_world
 from dsflash.store.build import open_store
 
 log = logging.getLogger(__name__)
@@ -77,11 +77,11 @@ def slot_count(requested: int | None, total: int, slot_bytes: int, budget: int) 
 
 def _ranks_sharing(device: torch.device, tp: TP) -> int:
     """How many of this host's ranks take their slots from the same memory as this one."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp.size))
+    local = local_world(tp.size)
     if device.type != "cuda":
         return local
-    gpus, me = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", tp.rank))
-    return sum(1 for r in range(local) if r % gpus == me % gpus)
+    gpus, me = torch.cuda.device_count(), local_rank(tp.rank)
+    return sum(1 for r in range(local) if r % gpus == me % gpus)  # rank_device's mapping
 
 
 def prefill_matmul(mode: str) -> str:
@@ -113,8 +113,7 @@ def rank_device(name: str, rank: int) -> torch.device:
     """The torch device of TP rank `rank`: the GPU of its local rank (torchrun's LOCAL_RANK, else the rank)."""
     if resolve_device(name) == "cpu":
         return torch.device("cpu")
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cuda", local_rank(rank) % torch.cuda.device_count())
 
 
 class RankRuntime:

@@ -13,3 +13,13 @@ def launched_rank() -> tuple[int, int, int, int] | None:
     env = os.environ
     world = int(env["WORLD_SIZE"])
     return int(env["RANK"]), world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", world))
+
+
+def local_rank(rank: int) -> int:
+    """This process's rank among its host's: torchrun's LOCAL_RANK, else the rank (the engine spawns on one host)."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def local_world(world: int) -> int:
+    """How many ranks run on this host: torchrun's LOCAL_WORLD_SIZE, else all of them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -27,7 +27,7 @@ from dsflash.config import ModelConfig
 from dsflash.errors import ConfigError, EngineDead
 from dsflash.model.parallel import TP
 from dsflash.runtime.rank import EngineOptions, RankRuntime, rank_device, resolve_device
-from dsflash.runtime.torchrun import launched_rank
+from dsflash.runtime.torchrun import launched_rank, local_world
 from dsflash.store.build import build_store
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _local_world(world: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
-
-
 def _threads(opts: EngineOptions, world: int) -> int:
-    return opts.threads or max(1, (os.cpu_count() or 1) // _local_world(world))
+    return opts.threads or max(1, (os.cpu_count() or 1) // local_world(world))
 
 
 def _join(rank: int, world: int, init_method: str) -> None:
@@ -62,7 +58,7 @@ def _model_group(device: str, rank: int, world: int) -> TP:
     CPU ranks: the gloo group. CUDA ranks each on a GPU of their own: an NCCL group. CUDA ranks sharing a GPU (NCCL
     refuses that): the gloo group, with the collectives staged through host memory."""
     on_gpu = resolve_device(device) == "cuda"
-    nccl = on_gpu and torch.cuda.device_count() >= _local_world(world)
+    nccl = on_gpu and torch.cuda.device_count() >= local_world(world)
     if on_gpu:
         torch.cuda.set_device(rank_device(device, rank))
     group = dist.new_group(backend="nccl", timeout=COLLECTIVE_TIMEOUT) if nccl else None
