@@ -28,7 +28,15 @@ def test_cuda_engine_is_the_reference_with_bfp8_at_every_tp(setup, cache):
     n_active = files.ckpt.config.num_experts_per_tok
     for tp in [d for d in (1, 2, 4) if files.ckpt.config.num_attention_heads % d == 0]:
         got = engine_scores(
-            files, ids, prefill, tp=tp, expert_slots=n_active, expert_format="bfp8_b", cache_dir=cache, device="cuda"
+            files,
+            ids,
+            prefill,
+            tp=tp,
+            expert_slots=n_active,
+            expert_format="bfp8_b",
+            cache_dir=cache,
+            device="cuda",
+            rebuild=True,
         )
         r = report(want, got)
         assert r["pass"], (tp, r)
@@ -39,7 +47,7 @@ def test_cuda_engine_is_the_reference_with_bfp8_at_every_tp(setup, cache):
 
 def test_cuda_engine_equals_the_cpu_engine_with_bfp4(setup, cache):
     files, ids, prefill, _ = setup
-    kw = dict(tp=1, expert_slots=3, expert_format="bfp4_b", cache_dir=cache)
+    kw = dict(tp=1, expert_slots=3, expert_format="bfp4_b", cache_dir=cache, rebuild=True)
     gpu = engine_scores(files, ids, prefill, device="cuda", **kw)
     cpu = engine_scores(files, ids, prefill, device="cpu", prefill_matmul="fp32", **kw)
     for part in ("prefill", "decode"):
@@ -51,7 +59,7 @@ def test_slots_live_on_the_gpu(cache):
     from dsflash.runtime.launch import start_runner
 
     files = open_dir(ROOT / "tiny_a" / "model")
-    runner = start_runner(files.ckpt, files.token_map, 64, expert_slots=5, cache_dir=cache, device="cuda")
+    runner = start_runner(files.ckpt, files.token_map, 64, expert_slots=5, cache_dir=cache, device="cuda", rebuild=True)
     try:
         experts = runner.rank0.experts
         assert experts.slots.is_cuda and experts.slots.shape[0] == 5

@@ -40,6 +40,7 @@ def test_bfp8_engine_is_the_reference_at_every_tp_with_evictions(setup, cache):
             expert_format="bfp8_b",
             cache_dir=cache,
             prefill_matmul="fp32",
+            rebuild=True,  # each degree and format replaces the module's store
         )
         r = report(want, got)
         assert r["pass"], (tp, r)
@@ -53,7 +54,15 @@ def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
     """With bfp4 the engine equals the reference fed the same bfp4-rounded experts; bfp8 is strictly better."""
     files, ids, prefill, want = setup
     got = engine_scores(
-        files, ids, prefill, tp=1, expert_slots=3, expert_format="bfp4_b", cache_dir=cache, prefill_matmul="fp32"
+        files,
+        ids,
+        prefill,
+        tp=1,
+        expert_slots=3,
+        expert_format="bfp4_b",
+        cache_dir=cache,
+        prefill_matmul="fp32",
+        rebuild=True,
     )
     ref = load_reference(files.ckpt, files.token_map, qat=False, dspark=False)
     rounded = {k: tuple(_bfp4(w) for w in ws) for k, ws in ref.experts.weights.items()}
@@ -62,7 +71,9 @@ def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
     for part in ("prefill", "decode"):
         assert compare_logits(getattr(best, part), getattr(got, part))["max_abs"] < 1e-3
     r4 = report(want, got)
-    r8 = report(want, engine_scores(files, ids, prefill, expert_slots=3, expert_format="bfp8_b", cache_dir=cache))
+    r8 = report(
+        want, engine_scores(files, ids, prefill, expert_slots=3, expert_format="bfp8_b", cache_dir=cache, rebuild=True)
+    )
     for part in ("prefill", "decode"):
         assert r8[part]["mean_kl"] < r4[part]["mean_kl"] <= 0.035
         assert r8[part]["decisive_top1"] >= r4[part]["decisive_top1"]
@@ -75,7 +86,9 @@ def _bfp4(w: torch.Tensor) -> torch.Tensor:
 def test_tp4_equals_tp1_with_the_default_formats(cache):
     files = open_dir(ROOT / "tiny_a" / "model")
     ids, prefill = gate_ids(files, 90)
-    one, four = (engine_scores(files, ids, prefill, tp=tp, expert_slots=4, cache_dir=cache) for tp in (1, 4))
+    one, four = (
+        engine_scores(files, ids, prefill, tp=tp, expert_slots=4, cache_dir=cache, rebuild=True) for tp in (1, 4)
+    )
     for part in ("prefill", "decode"):
         assert compare_logits(getattr(one, part), getattr(four, part))["max_abs"] < 1e-4
 
@@ -127,7 +140,7 @@ def test_gates_cli_passes_at_its_defaults_with_evictions(setup, cache, capsys):
     cfg = files.ckpt.config
     tp = max(_tp_degrees(files))
     args = ["--tp", str(tp), "--expert-slots", str(cfg.num_experts_per_tok), "--tokens", str(GATE_TOKENS)]
-    code = main(["gates", str(files.path), *args, "--cache-dir", cache])
+    code = main(["gates", str(files.path), *args, "--cache-dir", cache, "--rebuild"])
     r = json.loads(capsys.readouterr().out)
     assert code == 0 and r["pass"], r
     assert r["config"]["expert_format"] == "bfp8_b" and r["config"]["tp"] == tp
@@ -146,3 +159,33 @@ def test_gates_refuse_a_missing_gpu_before_scoring(monkeypatch, capsys):
     assert main(["gates", str(ROOT / "tiny_a" / "model"), "--device", "cuda"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["dsflash gates: error: --device cuda: this torch build sees no CUDA GPU"]
+
+
+def test_gates_keep_a_store_built_for_another_tp_unless_told(tmp_path, monkeypatch, capsys):
+    """The store gates would use is the one `dsflash serve` reads: one built for another TP degree is refused in
+    one line before the reference runs, and left as it was; --rebuild replaces it."""
+    from dsflash.cli.main import main
+    from dsflash.gates import run
+    from dsflash.store.layout import StoreManifest, store_dir
+
+    files = open_dir(ROOT / "tiny_a" / "model")
+    build_store(files.ckpt, tmp_path, tp=1, fmt="bfp8_b", progress=False)
+    weights = store_dir(files.path, tmp_path)
+    before = {p.name: p.stat().st_mtime_ns for p in weights.iterdir()}
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(run, "gate_ids", stop)  # the scoring that follows the store
+    args = ["gates", str(files.path), "--tp", "2", "--expert-format", "bfp8_b", "--cache-dir", str(tmp_path)]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "built for something else" in err[0] and "--rebuild" in err[0], err
+    assert {p.name: p.stat().st_mtime_ns for p in weights.iterdir()} == before
+    assert StoreManifest.read(weights).geometry.tp == 1
+    with pytest.raises(Stop):
+        main([*args, "--rebuild"])
+    assert StoreManifest.read(weights).geometry.tp == 2

@@ -1,4 +1,4 @@
-"""The flags every engine-running command shares: --device and --expert-format."""
+"""The flags every engine-running command shares: --device, --expert-format and --rebuild."""
 
 from __future__ import annotations
 
@@ -23,4 +23,14 @@ def add_expert_format_argument(p: argparse.ArgumentParser, prefix: str = "", fla
         default="auto",
         help=f"{prefix}tile format of the routed experts: bfp8_b holds FP4 experts exactly at twice the bytes, "
         "bfp4_b is lossy; auto takes bfp8_b where the whole store fits in a quarter of this host's memory, else bfp4_b",
+    )
+
+
+def add_rebuild_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="replace an expert store built for another TP degree, tile format, revision or store version (without "
+        "it such a store is refused: it is the one `dsflash serve` reads, and rebuilding V4.1-Flash's takes tens of "
+        "minutes; another --cache-dir keeps both)",
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dsflash.cli._device import add_device_argument, add_expert_format_argument
+from dsflash.cli._device import add_device_argument, add_expert_format_argument, add_rebuild_argument
 from dsflash.gates import suites
 
 
@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     add_device_argument(p)
     p.add_argument("--tokens", type=int, default=suites.DEFAULT_TOKENS, help="tokens scored: 2/3 prefill, 1/3 decode")
     p.add_argument("--cache-dir", default=None, help="expert store root (default $DSFLASH_CACHE or ~/.cache/dsflash)")
+    add_rebuild_argument(p)
     p.add_argument("--qat", action="store_true", help="keep the model's activation fake-quant points on (both sides)")
     p.add_argument("--min-prefill-top1", type=float, default=suites.PREFILL_MIN_TOP1)
     p.add_argument("--max-prefill-kl", type=float, default=suites.PREFILL_MAX_KL)
@@ -57,6 +58,7 @@ def run(args) -> int:
         qat=args.qat,
         thresholds=thresholds,
         device=args.device,
+        rebuild=args.rebuild,
     )
     print(json.dumps(report))
     return 0 if report["pass"] else 1

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dsflash.cli._device import add_device_argument, add_expert_format_argument
+from dsflash.cli._device import add_device_argument, add_expert_format_argument, add_rebuild_argument
 from dsflash.errors import InvalidRequest
 
 
@@ -33,6 +33,7 @@ def add_parser(sub) -> None:
     add_expert_format_argument(p, "engine: ")
     add_device_argument(p, "engine: ")
     p.add_argument("--cache-dir", default=None, help="engine: expert store root (default $DSFLASH_CACHE)")
+    add_rebuild_argument(p)
     p.set_defaults(run=run)
 
 
@@ -109,5 +110,6 @@ def _backend(args, max_len: int):
         cache_dir=args.cache_dir,
         qat=not args.no_qat,
         device=args.device,
+        rebuild=args.rebuild,
     )
     return runner_forward(runner), runner.close

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from dsflash.cli._device import add_device_argument, add_expert_format_argument
+from dsflash.cli._device import add_device_argument, add_expert_format_argument, add_rebuild_argument
 
 DEFAULT_PORT = 20000
 API_KEY_ENV = "DSFLASH_API_KEY"
@@ -64,12 +64,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--cache-dir", default=None, help="generated models and expert stores ($DSFLASH_CACHE or ~/.cache/dsflash)"
     )
-    p.add_argument(
-        "--rebuild",
-        action="store_true",
-        help="replace an expert store built for another TP degree, tile format, revision or store version (without "
-        "it such a store is refused: rebuilding V4.1-Flash's takes tens of minutes)",
-    )
+    add_rebuild_argument(p)
     p.add_argument(
         "--default-chat-template-kwargs",
         default=None,

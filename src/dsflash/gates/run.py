@@ -10,7 +10,7 @@ import numpy as np
 from dsflash.gates.compare import compare_logits
 from dsflash.gates.reference import reference_forward, runner_forward
 from dsflash.gates.suites import DEFAULT_TOKENS, Thresholds, gate_tokens, split
-from dsflash.runtime.launch import start_runner
+from dsflash.runtime.launch import prepare_store, start_runner
 from dsflash.runtime.loader import load_reference
 from dsflash.runtime.rank import resolve_device
 from dsflash.runtime.scoring import decode_logits, prefill_logits
@@ -54,6 +54,7 @@ def engine_scores(
     progress: bool = False,
     prefill_matmul: str = "auto",
     device: str = "auto",
+    rebuild: bool = False,
 ) -> Scores:
     runner = start_runner(
         files.ckpt,
@@ -67,6 +68,7 @@ def engine_scores(
         progress=progress,
         prefill_matmul=prefill_matmul,
         device=device,
+        rebuild=rebuild,
     )
     try:
         pre, dec = _score(runner_forward(runner), ids, prefill)
@@ -105,10 +107,13 @@ def run_gates(
     thresholds: Thresholds | None = None,
     progress: bool = False,
     device: str = "auto",
+    rebuild: bool = False,
 ) -> dict:
     """Score reference and engine on the same tokens; the report says which thresholds fail (if any)."""
     device = resolve_device(device)  # a device this machine lacks fails now, not after the reference has run
     expert_format = resolve_tile_format(expert_format, files.ckpt.config)
+    # the store first: a refused TP degree or a store made for something else fails before the reference runs
+    prepare_store(files.ckpt, cache_dir, tp, expert_format, rebuild, progress)
     ids, prefill = gate_ids(files, tokens)
     want = reference_scores(files, ids, prefill, qat)
     got = engine_scores(files, ids, prefill, tp, expert_slots, expert_format, cache_dir, qat, progress, device=device)

@@ -1,5 +1,6 @@
 """Start the engine's ranks over a model: make sure the expert store exists for this TP degree and format
-(building it on first use, rebuilding one made for something else), then spawn and load every rank."""
+(building it on first use; one made for something else is replaced only when asked), then spawn and load every
+rank."""
 
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ def start_runner(
     progress: bool = False,
     prefill_matmul: str = "auto",
     device: str = "auto",
+    rebuild: bool = False,
 ) -> TPRunner:
-    check_tp(ckpt.config, tp)
+    prepare_store(ckpt, cache_dir, tp, expert_format, rebuild, progress)
     resolve_device(device)
-    build_store(ckpt, cache_dir, tp=tp, fmt=expert_format, progress=progress, rebuild=True)
     opts = EngineOptions(
         str(ckpt.path),
         max_len,
@@ -38,5 +39,14 @@ def start_runner(
         threads=threads,
         prefill_matmul=prefill_matmul,
         device=device,
+        rebuild_store=rebuild,
     )
     return TPRunner(opts, tp, token_map, ckpt.config.vocab_size)
+
+
+def prepare_store(ckpt: Checkpoint, cache_dir: str | None, tp: int, fmt: str, rebuild: bool, progress: bool = False):
+    """The store for this TP degree and format, built or finished on first use. A store built for another TP degree
+    or format is the one `dsflash serve` reads (one per model directory; V4.1-Flash's takes tens of minutes to
+    build), so it is replaced only with rebuild=True; otherwise StoreMismatch says so before anything else runs."""
+    check_tp(ckpt.config, tp)
+    return build_store(ckpt, cache_dir, tp=tp, fmt=fmt, progress=progress, rebuild=rebuild)

@@ -51,6 +51,8 @@ class EngineOptions:
     prefill_matmul: str = "auto"
     # where a rank computes: cpu, cuda (rank r on GPU r % count), or auto (cuda where torch sees a GPU)
     device: str = "auto"
+    # replace a store built for another TP degree or format (torchrun: the other hosts' first ranks build theirs)
+    rebuild_store: bool = False
 
 
 DEFAULT_SLOTS = 4500  # the reference box's pool

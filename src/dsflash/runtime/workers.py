@@ -92,7 +92,7 @@ def torchrun_follower() -> int:
     try:
         if local_rank == 0:  # another host: its page cache serves its own copy of the store
             build_store(Checkpoint.open(opts.model_dir), opts.cache_dir, tp=world, fmt=opts.expert_format,
-                        progress=False, rebuild=True)  # fmt: skip
+                        progress=False, rebuild=opts.rebuild_store)  # fmt: skip
         rt = RankRuntime(opts, tp, token_map)
     except Exception as e:
         status = f"rank {rank}: {type(e).__name__}: {e}"

@@ -165,7 +165,7 @@ class EngineBackend:
             raise ConfigError(f"--expert-slots must be at least 1, got {opts.expert_slots}")
         from dsflash.runtime.rank import resolve_device
 
-        self.opts, self.fmt = opts, opts.expert_format
+        self.opts, self.fmt, self.rebuild = opts, opts.expert_format, False
         self.where = resolve_device(opts.device).upper()
         self._runner = None
 
@@ -177,6 +177,7 @@ class EngineBackend:
         from dsflash.store.layout import resolve_tile_format
 
         self.fmt = resolve_tile_format(self.opts.expert_format, files.ckpt.config)
+        self.rebuild = rebuild  # the other hosts' ranks (torchrun) decide the same for their copies
         return _build_store(files, cache, self.opts.tp, self.fmt, rebuild)
 
     def load_dense(self, files: ModelFiles, cache: Path, max_len: int) -> str:
@@ -192,6 +193,7 @@ class EngineBackend:
             threads=_threads(self.opts, files),
             record_routing=self.opts.record_routing,
             device=self.opts.device,
+            rebuild_store=self.rebuild,
         )
         cfg = files.ckpt.config
         # one call builds every rank: its dense shard, its store shard's slot pool, its decode state
