@@ -52,6 +52,20 @@ def test_fp8_and_bf16_dense(kernels):
     assert Fp8Weight.exact(w, 32) is None  # not FP8 values: refused rather than rounded silently
 
 
+def test_fp8_gemv_decodes_every_e4m3_byte_exactly(kernels):
+    """Each of the 254 finite E4M3 codes (signs, subnormals, zeros) read back through the GEMV with one-hot x."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0  # the two NaN codes
+    w = codes.view(8, 32)
+    want = w.view(torch.float8_e4m3fn).float()
+    scale256 = torch.full((1, 1), 256.0)  # one 32 x 32 block at scale 1, times the kernels' 2^8
+    if kernels == "none":  # no kernels: dense.Fp8Weight multiplies the torch expansion instead
+        assert native.fp8_gemv(w, scale256, 32, torch.ones(1, 32)) is None
+        return
+    got = torch.stack([native.fp8_gemv(w, scale256, 32, torch.eye(32)[j : j + 1])[0] for j in range(32)], dim=1)
+    assert torch.equal(got, want)
+
+
 def test_decode_gemv_rows_do_not_depend_on_their_neighbours(kernels):
     """A tensor-parallel shard computes its rows exactly as the whole matrix does: the decode kernels take rows in
     groups, and a row in a group and the same row alone (a tail, or another shard) must give the same bits."""

@@ -29,9 +29,9 @@ static inline float bf16_scalar(uint16_t h) {
 /* 32 E4M3 bytes -> two vectors of 16 fp32 times 2^-8: the 7 magnitude bits placed in an fp16 keep the 3-bit
  * mantissa and shift the exponent bias from 7 to 15, subnormals included; the 2^8 goes into the block scale. */
 static inline void e4m3x32(const uint8_t *p, __m512 *lo, __m512 *hi) {
-    __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
-    __m512i f16 = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16(0x3F80)),
-                                  _mm512_and_si512(_mm512_slli_epi16(h, 8), _mm512_set1_epi16((short)0x8000)));
+    /* sign-extended to 16 bits, shifted left by 7: the magnitude at bits 7-13 and the sign at 14 and 15 */
+    __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p));
+    __m512i f16 = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16((short)0xBFFF));
     *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(f16));
     *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1));
 }
@@ -74,9 +74,10 @@ static inline void fp8_row(const uint8_t *row, const float *sr, int I, int B, co
 /* Decode (one vector x): R rows at once share each load of x and give the memory system R streams to fetch.
  * Sums run per scale block and take the block's scale once (a power of two: the same products, only grouped);
  * every row goes through the same sequence whatever R, so a row's result never depends on how rows were split. */
+#define FP8_ROWS 8 /* rows in flight: 4 -> 8 took the decode from 17.5 to 23 GB/s on 2 cores (memory parallelism) */
 static inline __attribute__((always_inline)) void fp8_rows1(const uint8_t *w, int I, const float *sr, int B,
                                                              const float *x, float *y, const int R) {
-    __m512 acc[4], p0[4], p1[4];
+    __m512 acc[FP8_ROWS], p0[FP8_ROWS], p1[FP8_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int j = 0, c = 0; c < I; j++) {
         for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_ps();
@@ -97,15 +98,15 @@ static inline __attribute__((always_inline)) void fp8_rows1(const uint8_t *w, in
 
 static void fp8_gemv1(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, float *y, int r0,
                       int r1) {
-    const int nbc = I / B, groups = (r1 - r0 + 3) / 4;
+    const int nbc = I / B, groups = (r1 - r0 + FP8_ROWS - 1) / FP8_ROWS;
 #pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
     for (int g = 0; g < groups; g++) {
-        const int o = r0 + 4 * g;
+        const int o = r0 + FP8_ROWS * g;
         const float *sr = scale + (size_t)(o / B) * nbc;
-        if (o + 4 <= r1 && (o + 3) / B == o / B)
-            fp8_rows1(w + (size_t)o * I, I, sr, B, x, y + o, 4);
+        if (o + FP8_ROWS <= r1 && (o + FP8_ROWS - 1) / B == o / B)
+            fp8_rows1(w + (size_t)o * I, I, sr, B, x, y + o, FP8_ROWS);
         else
-            for (int k = o; k < r1 && k < o + 4; k++)
+            for (int k = o; k < r1 && k < o + FP8_ROWS; k++)
                 fp8_rows1(w + (size_t)k * I, I, scale + (size_t)(k / B) * nbc, B, x, y + k, 1);
     }
 }
