@@ -27,6 +27,7 @@ def child_argv(args) -> list[str]:
         ("--backend", args.backend),
         ("--max-queue", args.max_queue),
         ("--max-model-len", args.max_model_len),
+        ("--prefill-chunk", args.prefill_chunk),
         ("--cache-dir", args.cache_dir),
         ("--default-chat-template-kwargs", args.default_chat_template_kwargs),
         ("--shutdown-grace", args.shutdown_grace),

@@ -62,6 +62,13 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 + Retry-After")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the profile's)")
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=512,
+        help="prompt tokens per prefill pass: each pass streams the experts its tokens touch once, so longer passes "
+        "stream less per prompt token (long prompts' TTFT) and hold more activations",
+    )
+    p.add_argument(
         "--cache-dir", default=None, help="generated models and expert stores ($DSFLASH_CACHE or ~/.cache/dsflash)"
     )
     add_rebuild_argument(p)
@@ -97,6 +104,8 @@ def run(args) -> int:
         raise ConfigError("--max-model-len must be at least 2")
     if args.max_queue < 0:
         raise ConfigError("--max-queue must be >= 0")
+    if args.prefill_chunk < 1:
+        raise ConfigError("--prefill-chunk must be >= 1")
     if args.detach and not args._child:
         from dsflash.cli._detach import detach
 
@@ -136,6 +145,7 @@ class _Serve:
             device=args.device,
             max_queue=args.max_queue,
             max_model_len=args.max_model_len,
+            prefill_chunk=args.prefill_chunk,
             cache_dir=args.cache_dir,
             rebuild_store=args.rebuild,
             record_routing=os.path.abspath(args.record_routing) if args.record_routing else None,

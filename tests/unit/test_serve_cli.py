@@ -1,0 +1,36 @@
+"""`dsflash serve`'s flags: checked before anything starts, and carried whole into a detached server."""
+
+import subprocess
+import sys
+
+from dsflash.cli._detach import child_argv
+from dsflash.cli.main import build_parser
+
+# every flag a user can give, each away from its default
+EVERY_FLAG = [
+    "serve", "some/model", "--profile", "long", "--host", "0.0.0.0", "--port", "20007", "--tp", "2",
+    "--expert-slots", "99", "--expert-format", "bfp8_b", "--device", "cpu", "--backend", "reference",
+    "--max-queue", "3", "--max-model-len", "777", "--prefill-chunk", "2048", "--cache-dir", "/tmp/c", "--rebuild",
+    "--default-chat-template-kwargs", '{"thinking": true}', "--shutdown-grace", "7", "--record-routing", "/tmp/r.jsonl",
+]  # fmt: skip
+NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "run"}  # the key travels in the environment
+
+
+def test_a_detached_server_gets_every_flag_it_was_given():
+    parser = build_parser()
+    given = parser.parse_args([*EVERY_FLAG, "--detach"])
+    argv = child_argv(given)
+    assert argv[:4] == [sys.executable, "-m", "dsflash", "serve"]
+    child = parser.parse_args(argv[3:])
+    want = {k: v for k, v in vars(given).items() if k not in NOT_CARRIED}
+    assert {k: v for k, v in vars(child).items() if k not in NOT_CARRIED} == want
+    defaults = vars(parser.parse_args(["serve"]))
+    assert all(want[k] != defaults[k] for k in want), "a flag left at its default proves nothing"
+
+
+def test_a_prefill_chunk_below_one_is_refused_in_one_line():
+    r = subprocess.run(
+        [sys.executable, "-m", "dsflash", "serve", "--prefill-chunk", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == ["dsflash serve: error: --prefill-chunk must be >= 1"]
