@@ -1,5 +1,7 @@
 """The engine's native CPU kernels against plain torch, for the AVX-512 build, the portable build and no build."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -130,6 +132,29 @@ def test_amx_on_packed_weights_is_amx_on_their_expansion(m, n, k):
             want = native.amx_linear(x, native.dequant_bf16(tiles, (n, k), fmt).clone())
             assert torch.equal(native.amx_packed(x, tiles, fmt, (n, k)), want), fmt
     assert native.amx_packed(x[:, :40], w8[:, :40].contiguous(), "fp8", (n, 40), s256, 32) is None  # K % 32: expand
+
+
+@pytest.mark.parametrize("m, k", [(1, 32), (5, 64), (17, 40), (33, 5120), (3, 7)])
+def test_vector_split_of_x_is_the_portable_loops(m, k):
+    """AMX's activations (x as two bf16 terms in tile layout) from the AVX-512 blocks equal the portable loops bit for
+    bit: rounding, infinities and NaNs, denormals, rows and columns past the end."""
+    fast, portable = native.lib(), native.build(native.GENERIC_FLAGS)
+    if fast is None or portable is None:
+        pytest.skip("no C compiler")
+    if "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("the native build is the portable one on this CPU")
+    torch.manual_seed(m * k)
+    x = torch.randn(m, k) * torch.exp(torch.randn(m, k) * 20)
+    flat = x.view(-1)
+    flat[::7], flat[::11], flat[::13], flat[::17] = float("inf"), float("nan"), 1e-40, -0.0
+    mp, kp = -(-m // 32) * 32, -(-k // 32) * 32
+
+    def split(lib):
+        out = torch.full((2 * mp, kp), 12345, dtype=torch.int16)  # every element must be written
+        lib.split_vnni(x.data_ptr(), m, k, out.data_ptr(), mp, kp)
+        return out
+
+    assert torch.equal(split(fast), split(portable))
 
 
 def test_fused_sinkhorn_is_the_models(kernels):

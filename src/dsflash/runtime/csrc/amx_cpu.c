@@ -13,8 +13,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AMX_BF16__) && defined(__AVX512F__)
+#ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -164,11 +166,104 @@ static inline uint16_t bf16_rne(float f) {
     return (uint16_t)((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
+#ifdef __AVX512F__
+/* bf16_rne on 16 lanes (integer rounding, so denormals round as the scalar version does, not flushed) */
+static inline __m512i bf16_rne16(__m512i b) {
+    const __m512i inf = _mm512_set1_epi32(0x7F800000);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)),
+                         _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))),
+        16);
+    const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(b, inf), inf);
+    const __mmask16 payload = _mm512_test_epi32_mask(b, _mm512_set1_epi32(0xFFFF));
+    __m512i s = _mm512_srli_epi32(b, 16);
+    s = _mm512_mask_or_epi32(s, payload, s, _mm512_set1_epi32(0x40));
+    return _mm512_mask_mov_epi32(r, special, s);
+}
+
+/* 16 x 16 dwords: out[j] lane r = in[r] lane j */
+static inline void transpose16(__m512i *v) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* v[4q + c] holds, per 128-bit lane L, rows 4q..4q+3 of column 4L + c; gather the lanes of four rows' groups */
+    for (int c = 0; c < 4; c++) {
+        const __m512i a = v[c], b = v[4 + c], d = v[8 + c], e = v[12 + c];
+        const __m512i ab_lo = _mm512_shuffle_i32x4(a, b, 0x88), ab_hi = _mm512_shuffle_i32x4(a, b, 0xDD);
+        const __m512i de_lo = _mm512_shuffle_i32x4(d, e, 0x88), de_hi = _mm512_shuffle_i32x4(d, e, 0xDD);
+        t[c] = _mm512_shuffle_i32x4(ab_lo, de_lo, 0x88);      /* column c */
+        t[8 + c] = _mm512_shuffle_i32x4(ab_lo, de_lo, 0xDD);  /* column 8 + c */
+        t[4 + c] = _mm512_shuffle_i32x4(ab_hi, de_hi, 0x88);  /* column 4 + c */
+        t[12 + c] = _mm512_shuffle_i32x4(ab_hi, de_hi, 0xDD); /* column 12 + c */
+    }
+    for (int i = 0; i < 16; i++) v[i] = t[i];
+}
+
+/* one 16-token x 32-column block: both terms, pairs of columns as dwords, transposed into the tile rows */
+static void split_block(const float *x, int M, int K, int m0, int k0, uint16_t *hi_out, uint16_t *lo_out) {
+    /* the low 16-bit halves of two 16-dword vectors, in order: 32 words */
+    const __m512i lows = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32, 30, 28, 26,
+                                          24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i expmask = _mm512_set1_epi32(0x7F800000);
+    const int n = K - k0 < 32 ? K - k0 : 32;
+    const __mmask16 k_a = n >= 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    const __mmask16 k_b = n <= 16 ? 0 : n >= 32 ? 0xFFFF : (__mmask16)((1u << (n - 16)) - 1);
+    __m512i h[16], l[16];
+    for (int r = 0; r < 16; r++) {
+        if (m0 + r >= M) {
+            h[r] = l[r] = _mm512_setzero_si512();
+            continue;
+        }
+        const float *row = x + (size_t)(m0 + r) * K + k0;
+        const __m512i a = _mm512_castps_si512(_mm512_maskz_loadu_ps(k_a, row));
+        const __m512i b = _mm512_castps_si512(_mm512_maskz_loadu_ps(k_b, row + 16));
+        const __m512i ha = bf16_rne16(a), hb = bf16_rne16(b);
+        /* xl = bf16(x - float(xh)), 0 where x is not finite */
+        const __m512 ra = _mm512_sub_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(_mm512_slli_epi32(ha, 16)));
+        const __m512 rb = _mm512_sub_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(_mm512_slli_epi32(hb, 16)));
+        const __mmask16 fa = _mm512_cmpneq_epi32_mask(_mm512_and_si512(a, expmask), expmask);
+        const __mmask16 fb = _mm512_cmpneq_epi32_mask(_mm512_and_si512(b, expmask), expmask);
+        const __m512i la = _mm512_maskz_mov_epi32(fa, bf16_rne16(_mm512_castps_si512(ra)));
+        const __m512i lb = _mm512_maskz_mov_epi32(fb, bf16_rne16(_mm512_castps_si512(rb)));
+        h[r] = _mm512_permutex2var_epi16(ha, lows, hb);
+        l[r] = _mm512_permutex2var_epi16(la, lows, lb);
+    }
+    transpose16(h);
+    transpose16(l);
+    for (int j = 0; j < 16; j++) {
+        _mm512_storeu_si512(hi_out + j * 32, h[j]);
+        _mm512_storeu_si512(lo_out + j * 32, l[j]);
+    }
+}
+#endif
+
 /* x fp32 [M, K] -> xh then xl, each in VNNI tiles [Mp / 16][Kp / 32] (tile row kk: for 16 tokens m, the pair
  * x[m][2kk], x[m][2kk + 1]), zero past M and K */
 void split_vnni(const float *x, int M, int K, uint16_t *xv, int Mp, int Kp) {
     const int kb = Kp / 32;
     const size_t part = (size_t)Mp * Kp;
+#ifdef __AVX512F__
+    /* 16 x 32 blocks: rows past M and columns past K (up to Kp) come out zero */
+#pragma omp parallel for schedule(static) collapse(2) if ((size_t)M * K > (1 << 16))
+    for (int mb = 0; mb < Mp / 16; mb++)
+        for (int b = 0; b < kb; b++) {
+            const size_t at = ((size_t)mb * kb + b) * 512;
+            if (32 * b >= K || 16 * mb >= M) {
+                memset(xv + at, 0, 1024);
+                memset(xv + part + at, 0, 1024);
+            } else {
+                split_block(x, M, K, 16 * mb, 32 * b, xv + at, xv + part + at);
+            }
+        }
+#else
     memset(xv, 0, 2 * part * 2);
 #pragma omp parallel for schedule(static) if ((size_t)M * K > (1 << 16))
     for (int m = 0; m < M; m++)
@@ -182,4 +277,5 @@ void split_vnni(const float *x, int M, int K, uint16_t *xv, int Mp, int Kp) {
             xv[at] = h;
             xv[part + at] = isfinite(v) ? bf16_rne(v - hf) : 0;
         }
+#endif
 }
