@@ -174,3 +174,23 @@ def test_fused_sinkhorn_is_the_models(kernels):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
         assert not torch.equal(got, c)  # a fresh result; the input is left as it was
     assert native.sinkhorn(torch.zeros(0, 4, 4), 20, 1e-6).shape == (0, 4, 4)
+
+
+def test_fused_mixes_are_the_models(kernels):
+    """mHC's mixing weights (RMS statistic, projections, gates, Sinkhorn) as one C call: the torch version's results
+    to float32 rounding for a decode token and a prefill chunk, at the embedded model's width and V4.1's."""
+    from dsflash.model.mhc import mixes
+
+    if kernels == "none":
+        assert native.mhc_mixes(torch.zeros(1, 1, 4, 64), *([torch.zeros(1)] * 3), 20, 1e-6, 1e-6) is None
+        return
+    g = torch.Generator().manual_seed(5)
+    for t, hc, d in ((1, 4, 64), (37, 4, 64), (1, 4, 5120), (3, 2, 96)):
+        x = torch.randn(1, t, hc, d, generator=g) * 3
+        fn = torch.randn((2 + hc) * hc, hc * d, generator=g) / d**0.5
+        scale, base = torch.randn(3, generator=g), torch.randn((2 + hc) * hc, generator=g)
+        want = mixes(x, fn, scale, base, 20, 1e-6, 1e-6)
+        got = native.mhc_mixes(x, fn, scale, base, 20, 1e-6, 1e-6)
+        for w, o in zip(want, got, strict=True):
+            assert o.shape == w.shape
+            torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-6)

@@ -39,6 +39,9 @@ class Block(nn.Module):
         d, hc = cfg.hidden_size, cfg.hc_mult
         self.hc_args = (cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps)
         self.sinkhorn = mhc.sinkhorn  # a runtime may put a fused kernel of the same math here (about 120 small ops)
+        # a runtime may put a fused mhc.mixes here too: (x, fn, scale, base, *hc_args) -> (pre, post, comb), or None
+        # where it does not pay
+        self.fused_mixes = None
         self.attn = attention_cls(cfg, spec, tp, rope)
         self.ffn = MoE(cfg, spec, tp)
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -51,7 +54,8 @@ class Block(nn.Module):
 
     def mixes(self, x: torch.Tensor, part: str):
         fn, scale, base = (getattr(self, f"hc_{part}_{n}") for n in ("fn", "scale", "base"))
-        return mhc.mixes(x, fn, scale, base, *self.hc_args, normalize=self.sinkhorn)
+        out = self.fused_mixes(x, fn, scale, base, *self.hc_args) if self.fused_mixes is not None else None
+        return out if out is not None else mhc.mixes(x, fn, scale, base, *self.hc_args, normalize=self.sinkhorn)
 
     def forward(self, x, pre_mix, step: Step, experts: ExpertBackend, *attn_args):
         """x [b, s, hc, d], pre_mix [b, s, hc] -> (x, this block's FFN pre weights for the next block)."""

@@ -81,6 +81,8 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.amx_linear_packed.argtypes, lib.amx_linear_packed.restype = [i, p, p, i, i, i, p, i, i, p], i
     lib.split_vnni.argtypes = [p, i, i, p, i, i]
     lib.sinkhorn.argtypes = [p, ctypes.c_int64, i, i, ctypes.c_float]
+    f = ctypes.c_float
+    lib.mhc_mixes.argtypes = [p, ctypes.c_int64, i, i, p, p, p, i, f, f, p]
     return lib
 
 
@@ -199,6 +201,24 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor | None:
     out = c.float().contiguous().clone()
     k.sinkhorn(out.data_ptr(), out.numel() // (hc * hc), hc, iters, eps)
     return out
+
+
+def mhc_mixes(
+    x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, iters: int, eps: float, hc_eps: float
+):
+    """model.mhc.mixes with its Sinkhorn, fused: x [..., hc, d] -> (pre, post, comb) fp32, equal to fp32 rounding;
+    None without kernels or off the CPU."""
+    k = lib()
+    if k is None or x.device.type != "cpu":
+        return None
+    hc, d = x.shape[-2:]
+    lead = x.shape[:-2]
+    xf = x.float().contiguous()
+    fn, scale, base = fn.float().contiguous(), scale.float().contiguous(), base.float().contiguous()
+    out = torch.empty(*lead, (2 + hc) * hc, dtype=torch.float32)
+    k.mhc_mixes(xf.data_ptr(), xf.numel() // (hc * d), hc, d, fn.data_ptr(), scale.data_ptr(), base.data_ptr(),
+                iters, eps, hc_eps, out.data_ptr())  # fmt: skip
+    return out[..., :hc], out[..., hc : 2 * hc], out[..., 2 * hc :].unflatten(-1, (hc, hc))
 
 
 # ------------------------------------------------------------------------------------------ AMX (prefill)

@@ -55,6 +55,8 @@ class EngineOptions:
     rebuild_store: bool = False
 
 
+FUSED_MIXES_MAX = 1 << 15  # values of x (tokens x hc x d) up to which mHC's mixes run as one C call
+
 DEFAULT_SLOTS = 4500  # the reference box's pool
 
 
@@ -143,7 +145,7 @@ class RankRuntime:
             triton_linear.warm_up(self.device, ("bf16", "fp8", opts.expert_format), cfg.fp8_block)  # dense, experts
         elif opts.dense_format != "fp32":
             self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul)
-        _fuse_sinkhorn(self.model, on_gpu)
+        _fuse_mhc(self.model, on_gpu)
         self.model.eval()
         store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
         ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
@@ -180,9 +182,10 @@ class RankRuntime:
         self.experts.close()
 
 
-def _fuse_sinkhorn(model: torch.nn.Module, on_gpu: bool) -> None:
+def _fuse_mhc(model: torch.nn.Module, on_gpu: bool) -> None:
     """Every block's Sinkhorn as one kernel (Triton on a GPU, C on the CPU), the torch version where that is
-    unavailable: same math, a fraction of the launches (it was about a quarter of a small model's decode step)."""
+    unavailable: same math, a fraction of the launches (it was about a quarter of a small model's decode step). On
+    the CPU, decode's whole mixing-weight computation is one C call as well (mhc.mixes is a dozen more small ops)."""
     if on_gpu:
         from dsflash.runtime import triton_mhc
 
@@ -196,9 +199,16 @@ def _fuse_sinkhorn(model: torch.nn.Module, on_gpu: bool) -> None:
         out = kernel(c, iters, eps)
         return mhc.sinkhorn(c, iters, eps) if out is None else out
 
+    def mixes(x: torch.Tensor, *args):
+        # one thread's C loop against torch's BLAS: faster up to ~32k values (a token at V4.1's widths, 128 of the
+        # embedded model's), slower beyond
+        return native.mhc_mixes(x, *args) if x.numel() <= FUSED_MIXES_MAX else None
+
     for m in model.modules():
         if isinstance(m, Block):
             m.sinkhorn = fused
+            if not on_gpu:
+                m.fused_mixes = mixes
 
 
 def to_device(model: torch.nn.Module, device: torch.device) -> None:

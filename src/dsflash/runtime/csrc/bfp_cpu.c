@@ -128,6 +128,8 @@ static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *xeo, float *y,
                 const int h = f >> 1, fc = f & 1;
                 const float *xs = xeo + (size_t)(2 * tj + fc) * 32;
                 const __m512 xe = _mm512_loadu_ps(xs), xo = _mm512_loadu_ps(xs + 16);
+                /* 2^(e - 127 - 2) per row as in scales(): e << 23 is 2^(e-127) (0 for e = 0, where every code is 0
+                 * anyway); e = 255 keeps the table's finite 2^126 */
                 const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 16 * f)));
                 __m512 sr = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), quarter);
                 sr = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, e255), sr, big);

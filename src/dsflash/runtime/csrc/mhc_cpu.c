@@ -44,3 +44,38 @@ void sinkhorn(float *c, int64_t n, int hc, int iters, float eps) {
         }
     }
 }
+
+/* mHC's mixing weights for T tokens, fused (model/mhc.py's mixes, about a dozen ops a call, two calls a block):
+   per token, the RMS statistic of its hc*d values, the projections onto the (2+hc)*hc rows of fn scaled by it,
+   then pre = sigmoid(m scale0 + base) + hc_eps, post = 2 sigmoid(m scale1 + base), comb = Sinkhorn(m scale2 + base).
+   out per token: pre [hc], post [hc], comb [hc][hc] (the rows of m in their order). Sums run in another order than
+   torch's: equal to fp32 rounding, not bit for bit. */
+static float dot(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < 16; j++) s += acc[j];
+    return s;
+}
+
+void mhc_mixes(const float *x, int64_t T, int hc, int d, const float *fn, const float *scale, const float *base,
+               int iters, float eps, float hc_eps, float *out) {
+    const int64_t n = (int64_t)hc * d;
+    const int rows_m = (2 + hc) * hc;
+#pragma omp parallel for schedule(static) if (T * n * rows_m > (1 << 22))
+    for (int64_t t = 0; t < T; t++) {
+        const float *v = x + t * n;
+        float *o = out + t * rows_m;
+        const float r = 1.0f / sqrtf(dot(v, v, n) / (float)n + eps);
+        for (int j = 0; j < rows_m; j++) o[j] = dot(v, fn + (int64_t)j * n, n) * r;
+        for (int i = 0; i < hc; i++) {
+            o[i] = 1.0f / (1.0f + expf(-(o[i] * scale[0] + base[i]))) + hc_eps;
+            o[hc + i] = 2.0f / (1.0f + expf(-(o[hc + i] * scale[1] + base[hc + i])));
+        }
+        for (int j = 2 * hc; j < rows_m; j++) o[j] = o[j] * scale[2] + base[j];
+        sinkhorn(o + 2 * hc, 1, hc, iters, hc_eps);
+    }
+}
