@@ -52,6 +52,9 @@ def test_fp8_and_bf16_dense(kernels):
     torch.testing.assert_close(W.rows(32, 64).linear(torch.ones(1, 192)), exact[32:64].sum(1)[None], atol=1e-5,
                                rtol=1e-5)  # fmt: skip
     assert Fp8Weight.exact(w, 32) is None  # not FP8 values: refused rather than rounded silently
+    # row ranges (TP shards, a grouped projection's groups, taken every step) are views, never copies
+    assert W.rows(32, 64).q.untyped_storage().data_ptr() == W.q.untyped_storage().data_ptr()
+    assert B.rows(32, 64).w.untyped_storage().data_ptr() == B.w.untyped_storage().data_ptr()
 
 
 def test_fp8_gemv_decodes_every_e4m3_byte_exactly(kernels):

@@ -17,7 +17,7 @@ from torch import nn
 from dsflash.formats import fp8
 from dsflash.model.block import Head
 from dsflash.model.layers import Linear, RowParallelLinear
-from dsflash.runtime import native
+from dsflash.runtime import hugepages, native
 
 GEMV_MAX_ROWS = 8  # more rows are multiplied as matrices
 # where the matrices are multiplied on AMX (bf16x2), the GEMV is faster only for fewer rows (2 cores, 4096 x 5120:
@@ -97,7 +97,9 @@ class Bf16Weight:
         return type(self)(self.w[start:stop], self.matmul)
 
 
-def pack_dense(model: nn.Module, ckpt, fmt: str = "fp8", matmul: torch.dtype | str = torch.float32) -> int:
+def pack_dense(
+    model: nn.Module, ckpt, fmt: str = "fp8", matmul: torch.dtype | str = torch.float32, huge_pages: bool = True
+) -> int:
     """Replace every matrix of `model` by its device format; returns the bytes the packed weights hold.
 
     fmt "fp8": FP8 where the checkpoint stores FP8, bf16 elsewhere. fmt "bf16": bf16 everywhere.
@@ -118,10 +120,21 @@ def pack_dense(model: nn.Module, ckpt, fmt: str = "fp8", matmul: torch.dtype | s
             packed = Fp8Weight.exact(m.weight.data, block, dtype)
         if packed is None:
             packed = Bf16Weight(m.weight.data, dtype)
+        if huge_pages:  # the host's kernels stream them; weights bound for a GPU skip the copy
+            _to_huge_pages(packed)
         m.packed = packed
         m.weight.data = torch.empty(0)  # the packed copy is the weight now
         total += _nbytes(packed)
     return total
+
+
+def _to_huge_pages(p) -> None:
+    """The packed matrix off the checkpoint's mapping (or a 4 KiB-page copy) into huge pages, once: the decode GEMV
+    streams it (runtime/hugepages.py). Row slices of it (rows(), a grouped projection's groups) are views."""
+    if isinstance(p, Fp8Weight):
+        p.q = hugepages.copy(p.q)
+    else:
+        p.w = hugepages.copy(p.w)
 
 
 def _nbytes(p) -> int:

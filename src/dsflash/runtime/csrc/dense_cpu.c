@@ -80,7 +80,13 @@ static inline __attribute__((always_inline)) void fp8_rows1(const uint8_t *w, in
     __m512 acc[FP8_ROWS], p0[FP8_ROWS], p1[FP8_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int j = 0, c = 0; c < I; j++) {
-        for (int r = 0; r < R; r++) p0[r] = p1[r] = _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            p0[r] = p1[r] = _mm512_setzero_ps();
+            /* the next group's rows at this block: their streams start before this group's end (narrow matrices,
+             * 1280-column rows: 15.5 -> 20.5 GB/s; 5120 columns: 27 -> 31) */
+            const char *next = (const char *)(w + (size_t)(R + r) * I + c);
+            for (int l = 0; l < B; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
+        }
         for (int end = c + B; c < end; c += 32) {
             const __m512 x0 = _mm512_loadu_ps(x + c), x1 = _mm512_loadu_ps(x + c + 16);
             for (int r = 0; r < R; r++) {
