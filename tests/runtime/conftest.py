@@ -1,6 +1,6 @@
 import pytest
 
-from dsflash.gates.run import gate_ids, reference_scores
+from dsflash.gates.run import engine_scores, gate_ids, reference_scores
 from dsflash.service.files import open_dir
 from tests.model.conftest import ROOT
 
@@ -19,3 +19,15 @@ def setup(request):
     files = open_dir(ROOT / request.param / "model")
     ids, prefill = gate_ids(files, GATE_TOKENS)
     return files, ids, prefill, reference_scores(files, ids, prefill)
+
+
+def bfp8_at_every_tp(setup, cache, **kw):
+    """(tp, the engine's scores) at every TP degree the fixture's heads allow, bfp8_b experts, as few slots as a
+    token activates (so the LRU evicts); each degree replaces the module's store."""
+    files, ids, prefill, _ = setup
+    n_active = files.ckpt.config.num_experts_per_tok
+    for tp in [d for d in (1, 2, 4) if files.ckpt.config.num_attention_heads % d == 0]:
+        yield tp, engine_scores(
+            files, ids, prefill, tp=tp, expert_slots=n_active, expert_format="bfp8_b", cache_dir=cache, rebuild=True,
+            **kw,
+        )  # fmt: skip

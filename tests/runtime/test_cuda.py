@@ -13,6 +13,7 @@ from dsflash.gates.compare import compare_logits
 from dsflash.gates.run import engine_scores, report
 from dsflash.service.files import open_dir
 from tests.model.conftest import ROOT
+from tests.runtime.conftest import bfp8_at_every_tp
 
 pytestmark = [
     pytest.mark.device,
@@ -24,20 +25,8 @@ pytestmark = [
 
 
 def test_cuda_engine_is_the_reference_with_bfp8_at_every_tp(setup, cache):
-    files, ids, prefill, want = setup
-    n_active = files.ckpt.config.num_experts_per_tok
-    for tp in [d for d in (1, 2, 4) if files.ckpt.config.num_attention_heads % d == 0]:
-        got = engine_scores(
-            files,
-            ids,
-            prefill,
-            tp=tp,
-            expert_slots=n_active,
-            expert_format="bfp8_b",
-            cache_dir=cache,
-            device="cuda",
-            rebuild=True,
-        )
+    want = setup[3]
+    for tp, got in bfp8_at_every_tp(setup, cache, device="cuda"):
         r = report(want, got)
         assert r["pass"], (tp, r)
         assert r["experts"]["misses"] > 0

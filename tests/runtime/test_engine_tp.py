@@ -18,7 +18,7 @@ from dsflash.runtime.workers import TPRunner
 from dsflash.service.files import open_dir
 from dsflash.store.build import build_store
 from tests.model.conftest import ROOT
-from tests.runtime.conftest import GATE_TOKENS
+from tests.runtime.conftest import GATE_TOKENS, bfp8_at_every_tp
 
 
 def _tp_degrees(files):
@@ -28,26 +28,17 @@ def _tp_degrees(files):
 def test_bfp8_engine_is_the_reference_at_every_tp_with_evictions(setup, cache):
     """bfp8 holds the FP4 experts exactly: at any TP and with as few slots as a token activates, the gates
     pass, logits agree to float32 noise and the LRU really evicts."""
-    files, ids, prefill, want = setup
-    n_active = files.ckpt.config.num_experts_per_tok
-    for tp in _tp_degrees(files):
-        got = engine_scores(
-            files,
-            ids,
-            prefill,
-            tp=tp,
-            expert_slots=n_active,
-            expert_format="bfp8_b",
-            cache_dir=cache,
-            prefill_matmul="fp32",
-            rebuild=True,  # each degree and format replaces the module's store
-        )
+    files, want = setup[0], setup[3]
+    n_active, seen = files.ckpt.config.num_experts_per_tok, []
+    for tp, got in bfp8_at_every_tp(setup, cache, prefill_matmul="fp32"):
+        seen.append(tp)
         r = report(want, got)
         assert r["pass"], (tp, r)
         assert r["experts"]["misses"] > 0 and r["experts"]["slots"] == n_active
         for part in ("prefill", "decode"):
             diff = compare_logits(getattr(want, part), getattr(got, part))
             assert diff["max_abs"] < 1e-3, (tp, part, diff)
+    assert seen == _tp_degrees(files)
 
 
 def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
