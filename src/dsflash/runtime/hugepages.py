@@ -14,14 +14,17 @@ import mmap
 import numpy as np
 import torch
 
+PAGE = 4096
 HUGE = 2 << 20
 MIN_BYTES = 4 << 20  # smaller buffers gain nothing measurable and would round up to a huge page
 
 
 def empty(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes], zero-filled by the kernel, huge-page advised when at least MIN_BYTES."""
+    """uint8 [nbytes], zero-filled, page-aligned; huge-page aligned and advised when at least MIN_BYTES."""
     if nbytes < MIN_BYTES:
-        return np.zeros(nbytes, dtype=np.uint8)
+        raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
+        start = -raw.ctypes.data % PAGE
+        return raw[start : start + nbytes]
     buf = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)

@@ -55,8 +55,6 @@ class EngineOptions:
     rebuild_store: bool = False
 
 
-FUSED_MIXES_MAX = 1 << 15  # values of x (tokens x hc x d) up to which mHC's mixes run as one C call
-
 DEFAULT_SLOTS = 4500  # the reference box's pool
 
 
@@ -180,6 +178,9 @@ class RankRuntime:
 
     def close(self) -> None:
         self.experts.close()
+
+
+FUSED_MIXES_MAX = 1 << 15  # values of x (tokens x hc x d) up to which mHC's mixes run as one C call
 
 
 def _fuse_mhc(model: torch.nn.Module, on_gpu: bool) -> None:
