@@ -9,9 +9,10 @@ import torch
 from dsflash.errors import ConfigError
 from dsflash.formats import bfp
 from dsflash.gates.compare import compare_logits
-from dsflash.gates.reference import reference_forward
-from dsflash.gates.run import Scores, _score, engine_scores, gate_ids, report
+from dsflash.gates.reference import reference_forward, runner_forward
+from dsflash.gates.run import Scores, _score, engine_scores, gate_ids, reference_scores, report
 from dsflash.model.experts import ResidentExperts
+from dsflash.runtime.dense import HEAD_EXACT
 from dsflash.runtime.loader import LoadedModel, load_reference
 from dsflash.runtime.rank import EngineOptions
 from dsflash.runtime.workers import TPRunner
@@ -82,6 +83,36 @@ def test_tp4_equals_tp1_with_the_default_formats(cache):
     )
     for part in ("prefill", "decode"):
         assert compare_logits(getattr(one, part), getattr(four, part))["max_abs"] < 1e-4
+
+
+def test_screened_head_is_tp_invariant_and_exact_where_it_counts(cache):
+    """The head's FP8 screen for decode, forced on (the tiny heads are below its size threshold): TP 4 equals TP 1
+    to float32 noise (the screened set is chosen on the gathered logits), each decode position's highest logits
+    are the bf16 head's bits, the screened tail stays within FP8 rounding, and the gates still pass."""
+    files = open_dir(ROOT / "tiny_a" / "model")
+    ids, prefill = gate_ids(files, 90)
+    want = reference_scores(files, ids, prefill)
+
+    def scores(tp: int, screen: bool) -> Scores:
+        build_store(files.ckpt, cache, tp=tp, fmt="bfp8_b", progress=False, rebuild=True)
+        opts = EngineOptions(str(files.path), len(ids), expert_slots=4, expert_format="bfp8_b", cache_dir=cache,
+                             qat=False, screen_head=screen)  # fmt: skip
+        runner = TPRunner(opts, tp, files.token_map, files.ckpt.config.vocab_size)
+        try:
+            return Scores(*_score(runner_forward(runner), ids, prefill), runner.counters())
+        finally:
+            runner.close()
+
+    plain, one, four = scores(1, False), scores(1, True), scores(4, True)
+    assert compare_logits(one.prefill, four.prefill)["max_abs"] < 1e-4
+    assert compare_logits(one.decode, four.decode)["max_abs"] < 1e-4
+    assert np.array_equal(one.prefill, plain.prefill)  # prefill multiplies the bf16 head
+    top = np.argsort(-one.decode, axis=-1)[:, : HEAD_EXACT // 2]
+    assert np.array_equal(np.take_along_axis(one.decode, top, -1), np.take_along_axis(plain.decode, top, -1))
+    tail = np.abs(one.decode - plain.decode)
+    assert 0 < tail.max() < 0.05 * np.abs(plain.decode).max()
+    r = report(want, four)
+    assert r["pass"], r
 
 
 def test_greedy_generation_follows_the_reference_where_decisive(cache):

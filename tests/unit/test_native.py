@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from dsflash.formats import bfp, fp8
+from dsflash.model.parallel import TP
 from dsflash.runtime import native
-from dsflash.runtime.dense import Bf16Weight, Fp8Weight
+from dsflash.runtime.dense import HEAD_EXACT, Bf16Weight, Fp8Weight, ScreenedHead
 
 
 @pytest.fixture(params=["native", "generic", "none"])
@@ -91,6 +92,35 @@ def test_decode_gemv_rows_do_not_depend_on_their_neighbours(kernels):
     tiles = bfp.pack(exact[:64].numpy(), "bfp4_b")
     half = bfp.pack(exact[32:64].numpy(), "bfp4_b")
     assert torch.equal(native.gemv(tiles, (64, 256), "bfp4_b", x)[:, 32:], native.gemv(half, (32, 256), "bfp4_b", x))
+
+
+def test_screened_head_rescores_its_top_rows_from_bf16(kernels):
+    """Decode logits: the HEAD_EXACT highest carry the bf16 head's bits, the rest the FP8 screen's (the bf16
+    weight rounded to FP8 blocks); many rows, and no kernels, the bf16 head's everywhere."""
+    vocab, d = 300, 256
+    w = torch.randn(vocab, d) * 0.05
+    head, exact = ScreenedHead(w, 32), Bf16Weight(w)
+    x = torch.randn(1, d)
+    got, want = head.logits(x, TP.single(), vocab), exact.linear(x)
+    assert got.shape == (1, vocab)
+    many = torch.randn(20, d)
+    assert torch.equal(head.logits(many, TP.single(), vocab), exact.linear(many))
+    if kernels == "none":
+        assert torch.equal(got, want)
+        return
+    screen = Fp8Weight.quantized(exact.w, 32).linear(x)
+    top = screen.topk(HEAD_EXACT).indices[0]
+    tail = torch.ones(vocab, dtype=torch.bool)
+    tail[top] = False
+    assert torch.equal(got[0, top], want[0, top])
+    assert torch.equal(got[0, tail], screen[0, tail])
+    assert not torch.equal(got, want)  # the tail really is the screen's
+    assert int(got.argmax()) == int(want.argmax())
+    torch.testing.assert_close(got, want, atol=0.1 * float(want.abs().max()), rtol=0)
+    # a screen of FP8 blocks holds every FP8 value exactly
+    q, s = fp8.quant_block(w, 32)
+    on_grid = fp8.dequant_block(q, s, 32)
+    assert torch.equal(Fp8Weight.quantized(on_grid, 32).q, Fp8Weight.exact(on_grid, 32).q)
 
 
 @pytest.mark.skipif(not native.amx_ready(), reason="no AMX-BF16 on this CPU")

@@ -41,7 +41,8 @@ class CudaFp8Weight(Fp8Weight):
 def pack_dense(model: nn.Module, device: torch.device, ckpt, fmt: str = "fp8") -> int:
     """Every matrix of `model` on `device`, in the formats the CPU engine keeps (runtime.dense.pack_dense: FP8 blocks
     where the checkpoint stores FP8 and fmt is "fp8", bf16 elsewhere); returns the bytes they hold."""
-    total = dense.pack_dense(model, ckpt, fmt, huge_pages=False)
+    # a GPU's decode step is bound by its launches, not the head's bytes: the head stays bf16 alone
+    total = dense.pack_dense(model, ckpt, fmt, huge_pages=False, screen_head=False)
     for m in model.modules():
         p = getattr(m, "packed", None)
         if isinstance(p, Fp8Weight):

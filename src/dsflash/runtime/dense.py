@@ -72,6 +72,18 @@ class Fp8Weight:
             w = fp8.dequant_block(self.q.view(torch.float8_e4m3fn), self.scale, self.block)
         return _matmul(flat, w, self.matmul).view(*lead, -1)
 
+    @classmethod
+    def quantized(cls, w: torch.Tensor, block: int, matmul: torch.dtype | str = torch.float32) -> Fp8Weight:
+        """Round any weight to FP8 blocks (power-of-two scale from each block's largest magnitude), a slice of
+        rows at a time: no fp32 copy of a whole vocabulary-sized matrix."""
+        step = block * max(1, (1 << 26) // (block * max(1, w.shape[1])))  # ~256 MB of fp32 at a time
+        qs, ss = [], []
+        for r in range(0, w.shape[0], step):
+            q, s = fp8.quant_block(w[r : r + step].float(), block)
+            qs.append(q.view(torch.uint8))
+            ss.append(s.float())
+        return cls(torch.cat(qs).contiguous(), torch.cat(ss), block, matmul)
+
     def rows(self, start: int, stop: int) -> Fp8Weight:
         if start % self.block or (stop % self.block and stop != self.q.shape[0]):
             raise ValueError(f"rows {start}:{stop} do not follow the {self.block}-row scale blocks")
@@ -97,12 +109,69 @@ class Bf16Weight:
         return type(self)(self.w[start:stop], self.matmul)
 
 
+# decode logits rows re-scored from the bf16 head (ScreenedHead): twice the top-logprobs the API returns (20), so
+# the sampled token, its alternatives and most of a sampling distribution's mass carry the bf16 head's bits
+HEAD_EXACT = 64
+# a head below this many bf16 bytes a rank is not screened: it sits in the caches, and the screen's top-k and
+# re-scoring would cost more than its reads (the tiny fixtures' heads are 128-192 KB; V4.1's 1.3 GB at TP 1)
+SCREEN_HEAD_MIN_BYTES = 64 << 20
+
+
+class ScreenedHead:
+    """The vocabulary head with an FP8 screen for decode: few rows score the whole vocabulary from an FP8 copy of
+    the bf16 weight (half the bytes; the head is the largest matrix a decode step reads), then the HEAD_EXACT
+    highest are re-scored from the bf16 rows: the same bits the bf16 GEMV gives them. Only the tail (tokens
+    outside the top HEAD_EXACT) keeps FP8-rounded weights, where an error changes a tiny probability and the
+    softmax's sum a little. Many rows (prefill) multiply the bf16 weight.
+
+    The screened set is the same at every TP degree: it is chosen on the gathered screen logits (the FP8 rows'
+    results do not depend on the shard), each rank re-scores the candidates it holds, and one sum over ranks
+    (every candidate has exactly one non-zero contribution) gives all ranks the same values."""
+
+    def __init__(self, w: torch.Tensor, block: int, matmul: torch.dtype | str = torch.float32):
+        self.exact = Bf16Weight(w, matmul)
+        self.screen = Fp8Weight.quantized(self.exact.w, block, matmul)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self.exact.linear(x)
+
+    def rows(self, start: int, stop: int) -> Bf16Weight:
+        return self.exact.rows(start, stop)
+
+    def logits(self, x: torch.Tensor, tp, vocab: int) -> torch.Tensor:
+        """x [..., d] -> fp32 logits [..., vocab], gathered over tp's ranks (each holds a vocabulary slice)."""
+        flat, lead = _rows(x)
+        screen = None
+        if flat.shape[0] <= _gemv_rows(self.screen.matmul, "fp8"):
+            screen = native.fp8_gemv(self.screen.q, self.screen.scale256, self.screen.block, flat)
+        if screen is None:
+            return tp.all_gather_last(self.exact.linear(flat))[:, :vocab].view(*lead, vocab)
+        logits = tp.all_gather_last(screen)[:, :vocab].contiguous()  # padding past the vocabulary never competes
+        top = logits.topk(min(HEAD_EXACT, vocab), dim=-1).indices
+        part = screen.shape[-1]
+        exact = torch.zeros(top.shape, dtype=torch.float32)
+        for r in range(flat.shape[0]):
+            mine = (top[r] // part == tp.rank).nonzero().squeeze(-1)
+            if mine.numel():
+                rows = self.exact.w.index_select(0, top[r, mine] - tp.rank * part)
+                exact[r, mine] = native.bf16_gemv(rows, flat[r : r + 1])[0]
+        logits.scatter_(-1, top, tp.all_reduce(exact))
+        return logits.view(*lead, vocab)
+
+
 def pack_dense(
-    model: nn.Module, ckpt, fmt: str = "fp8", matmul: torch.dtype | str = torch.float32, huge_pages: bool = True
+    model: nn.Module,
+    ckpt,
+    fmt: str = "fp8",
+    matmul: torch.dtype | str = torch.float32,
+    huge_pages: bool = True,
+    screen_head: bool | None = None,
 ) -> int:
     """Replace every matrix of `model` by its device format; returns the bytes the packed weights hold.
 
-    fmt "fp8": FP8 where the checkpoint stores FP8, bf16 elsewhere. fmt "bf16": bf16 everywhere.
+    fmt "fp8": FP8 where the checkpoint stores FP8, bf16 elsewhere, and the head (bf16 in the checkpoint) with an
+    FP8 screen for decode (ScreenedHead) where `screen_head` says (None: a head of at least SCREEN_HEAD_MIN_BYTES).
+    fmt "bf16": bf16 everywhere.
     matmul: the prefill product mode, torch.float32, native.BF16X2, or torch.bfloat16 (only where a rank computes
     whole outputs: partial sums then run in fp32).
     """
@@ -118,6 +187,8 @@ def pack_dense(
         stored = ckpt.entry(f"{name}.weight").dtype if f"{name}.weight" in ckpt else None
         if fmt == "fp8" and stored == "F8_E4M3":
             packed = Fp8Weight.exact(m.weight.data, block, dtype)
+        if packed is None and isinstance(m, Head) and fmt == "fp8" and _screens(m.weight, screen_head):
+            packed = ScreenedHead(m.weight.data, block, dtype)
         if packed is None:
             packed = Bf16Weight(m.weight.data, dtype)
         if huge_pages:  # the host's kernels stream them; weights bound for a GPU skip the copy
@@ -128,16 +199,26 @@ def pack_dense(
     return total
 
 
+def _screens(w: torch.Tensor, screen_head: bool | None) -> bool:
+    if native.lib() is None:  # no FP8 GEMV to screen with
+        return False
+    return w.numel() * 2 >= SCREEN_HEAD_MIN_BYTES if screen_head is None else screen_head
+
+
 def _to_huge_pages(p) -> None:
     """The packed matrix off the checkpoint's mapping (or a 4 KiB-page copy) into huge pages, once: the decode GEMV
     streams it (runtime/hugepages.py). Row slices of it (rows(), a grouped projection's groups) are views."""
-    if isinstance(p, Fp8Weight):
+    if isinstance(p, ScreenedHead):  # decode reads the screen; the bf16 rows only where re-scored (or prefill)
+        p.screen.q = hugepages.copy(p.screen.q)
+    elif isinstance(p, Fp8Weight):
         p.q = hugepages.copy(p.q)
     else:
         p.w = hugepages.copy(p.w)
 
 
 def _nbytes(p) -> int:
+    if isinstance(p, ScreenedHead):
+        return _nbytes(p.exact) + _nbytes(p.screen)
     if isinstance(p, Fp8Weight):
         return p.q.numel() + p.scale.numel() * 4
     return p.w.numel() * 2

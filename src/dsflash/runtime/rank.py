@@ -51,6 +51,9 @@ class EngineOptions:
     prefill_matmul: str = "auto"
     # where a rank computes: cpu, cuda (rank r on GPU r % count), or auto (cuda where torch sees a GPU)
     device: str = "auto"
+    # the head's FP8 screen for decode (runtime.dense.ScreenedHead) under dense_format fp8: None where the head is
+    # large enough to pay (dense.SCREEN_HEAD_MIN_BYTES a rank), True / False to force it
+    screen_head: bool | None = None
     # replace a store built for another TP degree or format (torchrun: the other hosts' first ranks build theirs)
     rebuild_store: bool = False
 
@@ -142,7 +145,7 @@ class RankRuntime:
             device = device or cuda.CudaDevice(self.device)
             triton_linear.warm_up(self.device, ("bf16", "fp8", opts.expert_format), cfg.fp8_block)  # dense, experts
         elif opts.dense_format != "fp32":
-            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul)
+            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul, screen_head=opts.screen_head)
         _fuse_mhc(self.model, on_gpu)
         self.model.eval()
         store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
