@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import CACHE, TINY, generated, memcpy_gbps, real_width_config  # noqa: E402
 from dsflash.checkpoint.index import Checkpoint  # noqa: E402
+from dsflash.runtime.dense import decode_bytes  # noqa: E402
 from dsflash.runtime.loader import load_reference  # noqa: E402
 from dsflash.runtime.rank import EngineOptions, to_device  # noqa: E402
 from dsflash.runtime.workers import TPRunner  # noqa: E402
@@ -105,7 +106,7 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
     c = runner.counters()
     shard = runner.rank0.experts.layout.nbytes
     routed = sum(s.n_active for s in cfg.layers() if not s.is_dspark)
-    eng_dense = dense_bytes(runner.rank0.model) + runner.rank0.dense_bytes
+    eng_dense = dense_bytes(runner.rank0.model) + decode_bytes(runner.rank0.model)
     runner.close()
 
     lookups = (c["hits"] - before["hits"]) + (c["misses"] - before["misses"])

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from dsflash.formats import bfp, fp8
+from dsflash.model.block import Head
 from dsflash.model.parallel import TP
 from dsflash.runtime import native
-from dsflash.runtime.dense import HEAD_EXACT, Bf16Weight, Fp8Weight, ScreenedHead
+from dsflash.runtime.dense import HEAD_EXACT, Bf16Weight, Fp8Weight, ScreenedHead, decode_bytes
 
 
 @pytest.fixture(params=["native", "generic", "none"])
@@ -121,6 +122,10 @@ def test_screened_head_rescores_its_top_rows_from_bf16(kernels):
     q, s = fp8.quant_block(w, 32)
     on_grid = fp8.dequant_block(q, s, 32)
     assert torch.equal(Fp8Weight.quantized(on_grid, 32).q, Fp8Weight.exact(on_grid, 32).q)
+    # what a decode step reads (the benchmark's bytes per token): the screen and the re-scored rows
+    module = Head(vocab, d, TP.single())
+    module.packed = head
+    assert decode_bytes(module) == vocab * d + head.screen.scale.numel() * 4 + HEAD_EXACT * d * 2
 
 
 @pytest.mark.skipif(not native.amx_ready(), reason="no AMX-BF16 on this CPU")

@@ -40,10 +40,18 @@ def _matmul(flat: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Te
 class Fp8Weight:
     """FP8 E4M3 [O, I] with one power-of-two scale per block x block tile."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, block: int, matmul: torch.dtype | str = torch.float32):
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        block: int,
+        matmul: torch.dtype | str = torch.float32,
+        scale256: torch.Tensor | None = None,
+    ):
         self.q, self.block, self.matmul = q, block, matmul
         self.scale = scale  # fp32 [ceil(O/B), ceil(I/B)]
-        self.scale256 = (scale * 256).contiguous()  # the kernel's decode leaves a 2^-8 for the scale to undo
+        # the kernel's decode leaves a 2^-8 for the scale to undo
+        self.scale256 = (scale * 256).contiguous() if scale256 is None else scale256
 
     @classmethod
     def exact(cls, w: torch.Tensor, block: int, matmul: torch.dtype | str = torch.float32) -> Fp8Weight | None:
@@ -88,7 +96,8 @@ class Fp8Weight:
         if start % self.block or (stop % self.block and stop != self.q.shape[0]):
             raise ValueError(f"rows {start}:{stop} do not follow the {self.block}-row scale blocks")
         b0, b1 = start // self.block, -(-stop // self.block)
-        return type(self)(self.q[start:stop], self.scale[b0:b1], self.block, self.matmul)
+        # a grouped projection takes its groups every step: views only, no arithmetic
+        return type(self)(self.q[start:stop], self.scale[b0:b1], self.block, self.matmul, self.scale256[b0:b1])
 
 
 class Bf16Weight:
@@ -214,6 +223,19 @@ def _to_huge_pages(p) -> None:
         p.q = hugepages.copy(p.q)
     else:
         p.w = hugepages.copy(p.w)
+
+
+def decode_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weights one decode step reads: a screened head's FP8 copy and the bf16 rows it
+    re-scores, not its whole bf16 matrix (which only prefill multiplies)."""
+    total = 0
+    for m in model.modules():
+        p = getattr(m, "packed", None)
+        if isinstance(p, ScreenedHead):
+            total += _nbytes(p.screen) + HEAD_EXACT * p.exact.w.shape[1] * 2
+        elif p is not None:
+            total += _nbytes(p)
+    return total
 
 
 def _nbytes(p) -> int:
