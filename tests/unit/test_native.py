@@ -95,6 +95,24 @@ def test_decode_gemv_rows_do_not_depend_on_their_neighbours(kernels):
     assert torch.equal(native.gemv(tiles, (64, 256), "bfp4_b", x)[:, 32:], native.gemv(half, (32, 256), "bfp4_b", x))
 
 
+def test_grouped_fp8_decode_is_each_group_alone(kernels):
+    """The block-diagonal decode (wo_a's groups in one call) gives each group the bits of its own GEMV, for groups
+    whose rows straddle the kernel's 8-row units and the scale blocks; more rows fall back to group by group."""
+    for groups, per in ((4, 40), (2, 64), (3, 8)):
+        w = torch.randn(groups * per, 128) * 0.03
+        q, s = fp8.quant_block(w, 32)
+        W = Fp8Weight.exact(fp8.dequant_block(q, s, 32), 32)
+        x = torch.randn(1, 1, groups, 128)
+        got = W.grouped(x, groups)
+        if kernels == "none":
+            assert got is None
+            continue
+        assert got.shape == (1, 1, groups, per)
+        for g in range(groups):
+            assert torch.equal(got[0, 0, g], W.linear(x[0, 0, g][None])[0, g * per : (g + 1) * per])
+        assert W.grouped(torch.randn(2, 1, groups, 128), groups) is None
+
+
 def test_screened_head_rescores_its_top_rows_from_bf16(kernels):
     """Decode logits: the HEAD_EXACT highest carry the bf16 head's bits, the rest the FP8 screen's (the bf16
     weight rounded to FP8 blocks); many rows, and no kernels, the bf16 head's everywhere."""

@@ -37,6 +37,9 @@ class CudaFp8Weight(Fp8Weight):
         flat = x.reshape(-1, x.shape[-1])
         return triton_linear.linear(flat, self.q, "fp8", scale=self.scale, block=self.block).view(*lead, -1)
 
+    def grouped(self, x: torch.Tensor, groups: int) -> None:
+        return None  # the host kernel's one-call form: on the GPU the groups go one by one
+
 
 def pack_dense(model: nn.Module, device: torch.device, ckpt, fmt: str = "fp8") -> int:
     """Every matrix of `model` on `device`, in the formats the CPU engine keeps (runtime.dense.pack_dense: FP8 blocks

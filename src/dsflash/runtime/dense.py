@@ -92,6 +92,14 @@ class Fp8Weight:
             ss.append(s.float())
         return cls(torch.cat(qs).contiguous(), torch.cat(ss), block, matmul)
 
+    def grouped(self, x: torch.Tensor, groups: int) -> torch.Tensor | None:
+        """Block-diagonal use (layers.Linear.grouped) of one decode row, x [..., groups, I], in one kernel call;
+        None where that does not apply (more rows, no kernels): the caller multiplies group by group."""
+        if x[..., 0, 0].numel() != 1 or self.q.shape[0] % groups:
+            return None
+        y = native.fp8_gemv_grouped(self.q, self.scale256, self.block, x.reshape(groups, -1))
+        return None if y is None else y.view(*x.shape[:-1], -1)
+
     def rows(self, start: int, stop: int) -> Fp8Weight:
         if start % self.block or (stop % self.block and stop != self.q.shape[0]):
             raise ValueError(f"rows {start}:{stop} do not follow the {self.block}-row scale blocks")

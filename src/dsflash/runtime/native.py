@@ -74,6 +74,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.bfp_gemv.argtypes = [p, i, i, i, p, i, p, i, i]
     lib.bfp_expand.argtypes = [p, i, i, i, p, i, i, i]
     lib.fp8_gemv.argtypes = [p, p, i, i, i, p, i, p, i, i]
+    lib.fp8_gemv_grouped.argtypes = [p, p, i, i, i, p, i, p]
     lib.fp8_expand.argtypes = [p, p, i, i, i, p, i, i, i]
     lib.bf16_gemv.argtypes = [p, i, i, p, i, p, i, i]
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], i
@@ -162,6 +163,18 @@ def fp8_gemv(w: torch.Tensor, scale256: torch.Tensor, block: int, x: torch.Tenso
     (O, I), x = w.shape, x.float().contiguous()
     y = torch.empty(x.shape[0], O, dtype=torch.float32)
     k.fp8_gemv(w.data_ptr(), scale256.data_ptr(), O, I, block, x.data_ptr(), x.shape[0], y.data_ptr(), 0, O)
+    return y
+
+
+def fp8_gemv_grouped(w: torch.Tensor, scale256: torch.Tensor, block: int, x: torch.Tensor) -> torch.Tensor | None:
+    """Block-diagonal decode: x [G, I] fp32, W FP8 [O, I] as G groups of O / G rows -> fp32 [G, O / G], group g's
+    rows against x[g]; each group equals fp8_gemv on its rows bit for bit. None if the kernels are unavailable."""
+    k = lib()
+    if k is None:
+        return None
+    (O, I), x = w.shape, x.float().contiguous()
+    y = torch.empty(x.shape[0], O // x.shape[0], dtype=torch.float32)
+    k.fp8_gemv_grouped(w.data_ptr(), scale256.data_ptr(), O, I, block, x.data_ptr(), O // x.shape[0], y.data_ptr())
     return y
 
 

@@ -154,6 +154,30 @@ void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const f
     }
 }
 
+/* Block-diagonal decode (V4's grouped wo_a): rows [g * per, (g + 1) * per) multiply x + g * I, one vector per
+ * group. One parallel region for all groups instead of one call each; every group's rows are split and computed as
+ * fp8_gemv(..., g * per, (g + 1) * per) would, so each equals that call bit for bit. */
+void fp8_gemv_grouped(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int per, float *y) {
+    const int groups = O / per;
+#ifdef __AVX512F__
+    if (B % 32 == 0 && I % B == 0) {
+        const int nbc = I / B, units = (per + FP8_ROWS - 1) / FP8_ROWS;
+#pragma omp parallel for schedule(static) if ((size_t)O * I > PARALLEL_ELEMENTS)
+        for (int u = 0; u < groups * units; u++) {
+            const int g = u / units, r1 = (g + 1) * per, o = g * per + FP8_ROWS * (u % units);
+            const float *xg = x + (size_t)g * I;
+            if (o + FP8_ROWS <= r1 && (o + FP8_ROWS - 1) / B == o / B)
+                fp8_rows1(w + (size_t)o * I, I, scale + (size_t)(o / B) * nbc, B, xg, y + o, FP8_ROWS);
+            else
+                for (int k = o; k < r1 && k < o + FP8_ROWS; k++)
+                    fp8_rows1(w + (size_t)k * I, I, scale + (size_t)(k / B) * nbc, B, xg, y + k, 1);
+        }
+        return;
+    }
+#endif
+    for (int g = 0; g < groups; g++) fp8_gemv(w, scale, O, I, B, x + (size_t)g * I, 1, y, g * per, (g + 1) * per);
+}
+
 #ifdef __AVX512F__
 static inline __m512 bf16_lo(__m512i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
