@@ -5,7 +5,7 @@ served with fewer slots than experts. Prints one table per model and the ratios 
 decode >= 3x the reference at TP 1, weight bytes read per decoded token at >= 50 % of memcpy bandwidth.
 
     .venv/bin/python benchmarks/engine_decode.py [--decode N] [--prefill T] [--slots S] [--only tiny|real]
-        [--device cpu|cuda]
+        [--device cpu|cuda] [--no-bracket]
 
 With --device cuda both sides run on the GPU: the reference as torch ops with every expert resident, the engine
 with its Triton kernels; memcpy is then a copy within GPU memory, and the host-to-GPU copy rate (what a slot miss
@@ -15,7 +15,6 @@ streams at) is printed beside it.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import CACHE, TINY, generated, memcpy_gbps, real_width_config  # noqa: E402
+from _common import CACHE, TINY, generated, memcpy_gbps, real_width_config, release_memory  # noqa: E402
 from dsflash.checkpoint.index import Checkpoint  # noqa: E402
 from dsflash.runtime.dense import decode_bytes  # noqa: E402
 from dsflash.runtime.loader import load_reference  # noqa: E402
@@ -59,7 +58,12 @@ def dense_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.endswith("embed.weight"))
 
 
-def time_reference(ref, max_len: int, prompt: list[int], steps: int, device: str) -> tuple[float, float, int]:
+def time_reference(ckpt, token_map, max_len: int, prompt: list[int], steps: int, device: str) -> dict:
+    """Load the reference and time it: {ttft, step, bytes, memcpy} (the copy rate just before timing)."""
+    wide = ckpt.config.hidden_size >= 1024
+    ref = load_reference(
+        ckpt, token_map, qat=False, dspark=False, expert_dtype=torch.bfloat16 if wide else torch.float32
+    )
     if device != "cpu":
         to_device(ref.model, torch.device(device))
         ref.experts.weights = {k: tuple(w.to(device) for w in ws) for k, ws in ref.experts.weights.items()}
@@ -68,10 +72,47 @@ def time_reference(ref, max_len: int, prompt: list[int], steps: int, device: str
     def step(ids: list[int], pos: int) -> torch.Tensor:
         return ref.model(torch.tensor([ids], device=device), pos, state, ref.experts, last_only=True)[0, -1]
 
-    return (*time_forward(state.reset, step, prompt, steps), dense_bytes(ref.model))
+    gbps = memcpy_gbps(device=device)
+    ttft, per_step = time_forward(state.reset, step, prompt, steps)
+    return {"ttft": ttft, "step": per_step, "bytes": dense_bytes(ref.model), "memcpy": gbps}
 
 
-def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, threads: int, device: str) -> dict:
+def reference_run(*args) -> dict:
+    """time_reference, then its model's memory back before anything else loads"""
+    out = time_reference(*args)
+    release_memory()
+    return out
+
+
+def engine_run(opts: EngineOptions, token_map, cfg, prompt: list[int], steps: int, device: str) -> dict:
+    """Start the engine (TP 1), time it, stop it: times, counters over the timed part, and the bytes a step reads."""
+    runner = TPRunner(opts, 1, token_map, cfg.vocab_size)
+    try:
+        runner.reset()
+        runner.forward(prompt[:8], 0, False)  # warm-up, left out of the counters below
+        before = dict(runner.counters())
+        gbps = memcpy_gbps(device=device)
+
+        def step(ids: list[int], pos: int) -> torch.Tensor:
+            return runner.forward(ids, pos, False)[-1]
+
+        ttft, per_step = time_forward(runner.reset, step, prompt, steps)
+        after = runner.counters()
+        return {
+            "ttft": ttft,
+            "step": per_step,
+            "memcpy": gbps,
+            "counts": {k: after[k] - before[k] for k in ("hits", "misses", "bytes_copied")},
+            "shard": runner.rank0.experts.layout.nbytes,
+            "dense": dense_bytes(runner.rank0.model) + decode_bytes(runner.rank0.model),
+        }
+    finally:
+        runner.close()
+
+
+def bench(
+    name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, threads: int, device: str, bracket: bool = True
+) -> dict:
     ckpt = Checkpoint.open(model_dir)
     cfg = ckpt.config
     tok = Tokenizer.from_dir(model_dir, cfg.model_type)
@@ -79,19 +120,12 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, min(cfg.vocab_size, 100000), prompt_len)]
     max_len = prompt_len + steps + 1
-    wide = cfg.hidden_size >= 1024
     torch.set_num_threads(threads)
 
-    ref = load_reference(
-        ckpt, token_map, qat=False, dspark=False, expert_dtype=torch.bfloat16 if wide else torch.float32
-    )
-    # this VM's bandwidth drifts within a run: each side's copy rate is taken just before it is timed
-    ref_gbps = memcpy_gbps(device=device)
-    ref_ttft, ref_step, ref_bytes = time_reference(ref, max_len, prompt, steps, device)
-    del ref
-    gc.collect()
-    if device != "cpu":
-        torch.cuda.empty_cache()
+    # this VM's bandwidth drifts within a run, and the two sides cannot be resident together at V4.1 widths (the
+    # reference alone takes ~16 GB): the reference is timed before and after the engine and its mean taken, and
+    # each side's copy rate is measured just before it is timed
+    before_ref = reference_run(ckpt, token_map, max_len, prompt, steps, device)
 
     cache = str(CACHE / "stores")
     t = time.perf_counter()
@@ -100,23 +134,19 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
     opts = EngineOptions(
         str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads, device=device
     )
-    runner = TPRunner(opts, 1, token_map, cfg.vocab_size)
-    runner.reset()
-    runner.forward(prompt[:8], 0, False)  # warm-up, left out of the counters below
-    before = dict(runner.counters())
-    gbps = memcpy_gbps(device=device)
-    eng_ttft, eng_step = time_forward(runner.reset, lambda ids, pos: runner.forward(ids, pos, False)[-1], prompt, steps)
-    c = runner.counters()
-    shard = runner.rank0.experts.layout.nbytes
-    routed = sum(s.n_active for s in cfg.layers() if not s.is_dspark)
-    eng_dense = dense_bytes(runner.rank0.model) + decode_bytes(runner.rank0.model)
-    runner.close()
+    eng = engine_run(opts, token_map, cfg, prompt, steps, device)
+    release_memory()  # the engine's weights and slots go before the reference loads again
+    after_ref = reference_run(ckpt, token_map, max_len, prompt, steps, device) if bracket else before_ref
+    ref_step = (before_ref["step"] + after_ref["step"]) / 2
+    ref_ttft = (before_ref["ttft"] + after_ref["ttft"]) / 2
+    ref_bytes = before_ref["bytes"]
 
-    lookups = (c["hits"] - before["hits"]) + (c["misses"] - before["misses"])
-    copied = c["bytes_copied"] - before["bytes_copied"]
-    decode_misses = c["misses"] - before["misses"]
+    n = eng["counts"]
+    lookups, copied, misses = n["hits"] + n["misses"], n["bytes_copied"], n["misses"]
+    eng_step, eng_ttft, gbps = eng["step"], eng["ttft"], eng["memcpy"]
+    routed = sum(s.n_active for s in cfg.layers() if not s.is_dspark)
     # per decoded token: every dense byte, the routed experts' slot bytes, and the bytes copied into slots
-    per_token = eng_dense + routed * shard + copied / max(1, steps + 1)
+    per_token = eng["dense"] + routed * eng["shard"] + copied / max(1, steps + 1)
     return {
         "model": name,
         "device": torch.cuda.get_device_name() if device != "cpu" else "cpu",
@@ -129,12 +159,13 @@ def bench(name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, t
         "engine_tok_s": 1 / eng_step,
         "decode_speedup": ref_step / eng_step,
         "ttft_speedup": ref_ttft / eng_ttft,
-        "hit_rate": (lookups - decode_misses) / lookups if lookups else 0.0,
+        "hit_rate": (lookups - misses) / lookups if lookups else 0.0,
         "streamed_mb_per_token": copied / max(1, steps + 1) / 1e6,
         "weight_mb_per_token": per_token / 1e6,
         "ref_weight_mb_per_token": ref_bytes / 1e6,
         "weight_gb_s": per_token / eng_step / 1e9,
-        "ref_memcpy_gb_s": ref_gbps,
+        "ref_tok_s_before_after": [1 / before_ref["step"], 1 / after_ref["step"]],
+        "ref_memcpy_gb_s": [before_ref["memcpy"], after_ref["memcpy"]],
         "memcpy_gb_s": gbps,
         "weight_bw_vs_memcpy": per_token / eng_step / 1e9 / gbps,
         "store_build_s": store_s,
@@ -150,10 +181,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--only", choices=["tiny", "real"])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--no-bracket", action="store_true", help="time the reference once, before the engine (faster)")
     args = ap.parse_args()
     rows = []
     if args.only != "real":
-        rows.append(bench("tiny_a fixture", TINY, args.prefill, max(args.decode, 64), 12, args.threads, args.device))
+        rows.append(
+            bench(
+                "tiny_a fixture",
+                TINY,
+                args.prefill,
+                max(args.decode, 64),
+                12,
+                args.threads,
+                args.device,
+                not args.no_bracket,
+            )
+        )
     if args.only != "tiny":
         real = generated("real4x32", real_width_config(4, 32))
         rows.append(
@@ -165,10 +208,17 @@ def main() -> None:
                 args.slots,
                 args.threads,
                 args.device,
+                not args.no_bracket,
             )
         )
     for r in rows:
-        print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
+        print(json.dumps({k: _rounded(v) for k, v in r.items()}))
+
+
+def _rounded(v):
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return round(v, 4) if isinstance(v, float) else v
 
 
 if __name__ == "__main__":
