@@ -3,9 +3,6 @@ widths) and the memcpy baseline."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import gc
 import json
 import os
 import shutil
@@ -66,17 +63,6 @@ def generated(name: str, config: dict, seed: int = 0) -> Path:
     write_checkpoint(config, out, seed=seed, shards=2)
     stamp.write_text(json.dumps(config))
     return out
-
-
-def release_memory() -> None:
-    """Hand a freed model's memory back to the OS. glibc keeps freed heap chunks (a reference model's 16 MB
-    expert matrices among them: ~10 GB at V4.1 widths) for its own reuse, and what loads next (the engine's
-    huge-page buffers, mapped apart from the heap) cannot reuse them."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def memcpy_gbps(nbytes: int = 1 << 30, reps: int = 3, device: str = "cpu", pinned_src: bool = False) -> float:

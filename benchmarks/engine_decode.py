@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import CACHE, TINY, generated, memcpy_gbps, real_width_config, release_memory  # noqa: E402
+from _common import CACHE, TINY, generated, memcpy_gbps, real_width_config  # noqa: E402
 from dsflash.checkpoint.index import Checkpoint  # noqa: E402
 from dsflash.runtime.dense import decode_bytes  # noqa: E402
 from dsflash.runtime.loader import load_reference  # noqa: E402
@@ -58,8 +59,20 @@ def dense_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.endswith("embed.weight"))
 
 
-def time_reference(ckpt, token_map, max_len: int, prompt: list[int], steps: int, device: str) -> dict:
+def open_model(model_dir: Path, threads: int):
+    """(checkpoint, Engram token map or None) in this process, with torch's thread count set"""
+    torch.set_num_threads(threads)
+    ckpt = Checkpoint.open(model_dir)
+    cfg = ckpt.config
+    token_map = None
+    if cfg.engram_layer_ids:
+        token_map = compressed_token_map(Tokenizer.from_dir(model_dir, cfg.model_type).backend)
+    return ckpt, token_map
+
+
+def time_reference(model_dir: Path, threads: int, max_len: int, prompt: list[int], steps: int, device: str) -> dict:
     """Load the reference and time it: {ttft, step, bytes, memcpy} (the copy rate just before timing)."""
+    ckpt, token_map = open_model(model_dir, threads)
     wide = ckpt.config.hidden_size >= 1024
     ref = load_reference(
         ckpt, token_map, qat=False, dspark=False, expert_dtype=torch.bfloat16 if wide else torch.float32
@@ -77,16 +90,18 @@ def time_reference(ckpt, token_map, max_len: int, prompt: list[int], steps: int,
     return {"ttft": ttft, "step": per_step, "bytes": dense_bytes(ref.model), "memcpy": gbps}
 
 
-def reference_run(*args) -> dict:
-    """time_reference, then its model's memory back before anything else loads"""
-    out = time_reference(*args)
-    release_memory()
-    return out
+def isolated(fn, *args):
+    """fn(*args) in a fresh process: each side starts from a clean heap and gives all its memory back when done
+    (at V4.1 widths the reference alone peaks at ~20 GB of this machine's 23; what an earlier side left in the
+    allocator's heap is enough to get the next one killed)"""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
 
 
-def engine_run(opts: EngineOptions, token_map, cfg, prompt: list[int], steps: int, device: str) -> dict:
+def time_engine(opts: EngineOptions, threads: int, prompt: list[int], steps: int, device: str) -> dict:
     """Start the engine (TP 1), time it, stop it: times, counters over the timed part, and the bytes a step reads."""
-    runner = TPRunner(opts, 1, token_map, cfg.vocab_size)
+    ckpt, token_map = open_model(Path(opts.model_dir), threads)
+    runner = TPRunner(opts, 1, token_map, ckpt.config.vocab_size)
     try:
         runner.reset()
         runner.forward(prompt[:8], 0, False)  # warm-up, left out of the counters below
@@ -113,30 +128,25 @@ def engine_run(opts: EngineOptions, token_map, cfg, prompt: list[int], steps: in
 def bench(
     name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, threads: int, device: str, bracket: bool = True
 ) -> dict:
-    ckpt = Checkpoint.open(model_dir)
-    cfg = ckpt.config
-    tok = Tokenizer.from_dir(model_dir, cfg.model_type)
-    token_map = compressed_token_map(tok.backend) if cfg.engram_layer_ids else None
+    cfg = Checkpoint.open(model_dir).config
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, min(cfg.vocab_size, 100000), prompt_len)]
     max_len = prompt_len + steps + 1
-    torch.set_num_threads(threads)
 
-    # this VM's bandwidth drifts within a run, and the two sides cannot be resident together at V4.1 widths (the
-    # reference alone takes ~16 GB): the reference is timed before and after the engine and its mean taken, and
+    # this VM's bandwidth drifts within a run, and the two sides cannot be resident together at V4.1 widths: the
+    # reference is timed before and after the engine and its mean taken, each side in a process of its own, and
     # each side's copy rate is measured just before it is timed
-    before_ref = reference_run(ckpt, token_map, max_len, prompt, steps, device)
-
+    ref_args = (model_dir, threads, max_len, prompt, steps, device)
+    before_ref = isolated(time_reference, *ref_args)
     cache = str(CACHE / "stores")
     t = time.perf_counter()
-    build_store(ckpt, cache, tp=1, fmt="bfp4_b", progress=False, rebuild=True)
+    build_store(Checkpoint.open(model_dir), cache, tp=1, fmt="bfp4_b", progress=False, rebuild=True)
     store_s = time.perf_counter() - t
     opts = EngineOptions(
         str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads, device=device
     )
-    eng = engine_run(opts, token_map, cfg, prompt, steps, device)
-    release_memory()  # the engine's weights and slots go before the reference loads again
-    after_ref = reference_run(ckpt, token_map, max_len, prompt, steps, device) if bracket else before_ref
+    eng = isolated(time_engine, opts, threads, prompt, steps, device)
+    after_ref = isolated(time_reference, *ref_args) if bracket else before_ref
     ref_step = (before_ref["step"] + after_ref["step"]) / 2
     ref_ttft = (before_ref["ttft"] + after_ref["ttft"]) / 2
     ref_bytes = before_ref["bytes"]
