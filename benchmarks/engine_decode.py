@@ -32,9 +32,8 @@ from dsflash.runtime.dense import decode_bytes  # noqa: E402
 from dsflash.runtime.loader import load_reference  # noqa: E402
 from dsflash.runtime.rank import EngineOptions, to_device  # noqa: E402
 from dsflash.runtime.workers import TPRunner  # noqa: E402
+from dsflash.service.files import open_dir  # noqa: E402
 from dsflash.store.build import build_store  # noqa: E402
-from dsflash.text.token_map import compressed_token_map  # noqa: E402
-from dsflash.text.tokenizer import Tokenizer  # noqa: E402
 
 
 def time_forward(reset, step, prompt: list[int], steps: int) -> tuple[float, float]:
@@ -62,12 +61,8 @@ def dense_bytes(model) -> int:
 def open_model(model_dir: Path, threads: int):
     """(checkpoint, Engram token map or None) in this process, with torch's thread count set"""
     torch.set_num_threads(threads)
-    ckpt = Checkpoint.open(model_dir)
-    cfg = ckpt.config
-    token_map = None
-    if cfg.engram_layer_ids:
-        token_map = compressed_token_map(Tokenizer.from_dir(model_dir, cfg.model_type).backend)
-    return ckpt, token_map
+    files = open_dir(model_dir, verify=False)
+    return files.ckpt, files.token_map
 
 
 def time_reference(model_dir: Path, threads: int, max_len: int, prompt: list[int], steps: int, device: str) -> dict:
