@@ -61,7 +61,8 @@ def test_the_reference_backend_serves_the_same_api(tmp_path_factory, model_cache
     srv = start_server(tmp, model_cache, "--backend", "reference", "--max-model-len", "256")
     try:
         srv.wait_ready()
-        assert "backend reference" in srv.output() and "skipped: the reference keeps every expert" in srv.output()
+        out = srv.wait_output("backend reference")  # the ready card follows the first healthy /health
+        assert "backend reference" in out and "skipped: the reference keeps every expert" in out
         client = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, _strict_response_validation=True)
         r = client.completions.create(model="dsflash-tiny-v4.1", prompt="Hello", max_tokens=4, temperature=0)
         assert r.usage.completion_tokens == 4
