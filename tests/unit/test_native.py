@@ -95,6 +95,40 @@ def test_decode_gemv_rows_do_not_depend_on_their_neighbours(kernels):
     assert torch.equal(native.gemv(tiles, (64, 256), "bfp4_b", x)[:, 32:], native.gemv(half, (32, 256), "bfp4_b", x))
 
 
+@pytest.mark.parametrize("fmt", ["bfp4_b", "bfp8_b"])
+def test_decode_experts_in_one_call_are_their_sum(kernels, fmt):
+    """A decode token's routed experts in one native call (CpuDevice.experts) equal the experts one by one
+    (expert_sum) to fp32 rounding, with the swiglu clamps active, the experts in scattered slots, and a layer large
+    enough to run on several threads (the second case); prefill rows go one expert at a time."""
+    from dsflash.runtime.device import CpuDevice, PackedMatrix, ShardLayout, expert_sum
+
+    rng = np.random.default_rng(1)
+    for d, inter, n in ((64, 32, 2), (256, 96, 6)):
+        shapes = ((inter, d), (inter, d), (d, inter))
+        packed = [
+            [bfp.pack((rng.standard_normal(sh) * 0.2).astype(np.float32), fmt) for sh in shapes] for _ in range(n)
+        ]
+        sizes = [p.nbytes for p in packed[0]]
+        o1, o3, o2, end = np.cumsum([0, *sizes]).tolist()
+        layout = ShardLayout(fmt, PackedMatrix(o1, sizes[0], inter, d), PackedMatrix(o3, sizes[1], inter, d),
+                             PackedMatrix(o2, sizes[2], d, inter), end)  # fmt: skip
+        dev = CpuDevice()
+        slots = dev.allocate(n + 3, end)
+        ids = rng.permutation(n + 3)[:n].tolist()
+        for e, slot in enumerate(ids):
+            slots[slot, :end] = np.concatenate(packed[e])
+        x, w = torch.randn(1, d) * 3, torch.rand(1, n)
+        want = expert_sum(dev, slots, ids, layout, x, w, 1.0)
+        torch.testing.assert_close(dev.experts(slots, ids, layout, x, w, 1.0), want, atol=1e-5, rtol=1e-5)
+        assert (native.moe_decode(slots, ids, layout, x, w, 1.0) is None) == (kernels == "none")
+        assert not torch.equal(want, expert_sum(dev, slots, ids, layout, x, w, 0.0))  # the clamps were active
+        xs, ws = torch.randn(3, d), torch.rand(3, n)  # several tokens: expert by expert
+        assert torch.equal(
+            dev.experts(slots, ids, layout, xs, ws, 1.0), expert_sum(dev, slots, ids, layout, xs, ws, 1.0)
+        )
+        dev.close()
+
+
 def test_grouped_fp8_decode_is_each_group_alone(kernels):
     """The block-diagonal decode (wo_a's groups in one call) gives each group the bits of its own GEMV, for groups
     whose rows straddle the kernel's 8-row units and the scale blocks; more rows fall back to group by group."""
@@ -144,6 +178,19 @@ def test_screened_head_rescores_its_top_rows_from_bf16(kernels):
     module = Head(vocab, d, TP.single())
     module.packed = head
     assert decode_bytes(module) == vocab * d + head.screen.scale.numel() * 4 + HEAD_EXACT * d * 2
+
+
+def test_bf16_rows_by_index_are_the_gemv_bits(kernels):
+    """The head's re-scored rows, read in place by index (repeats and any order), carry bf16_gemv's bits; enough
+    rows to run on several threads."""
+    w = (torch.randn(700, 512) * 0.05).bfloat16()
+    x = torch.randn(1, 512)
+    rows = torch.tensor([699, 0, 5, 5, *range(100, 700, 2)])
+    got = native.bf16_gemv_rows(w, rows, x)
+    if kernels == "none":
+        assert got is None
+        return
+    assert torch.equal(got, native.bf16_gemv(w, x)[0, rows])
 
 
 @pytest.mark.skipif(not native.amx_ready(), reason="no AMX-BF16 on this CPU")

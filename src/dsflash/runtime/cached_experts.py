@@ -39,12 +39,21 @@ class CachedExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.routing_log is not None:
             self.routing_log.moe(layer, ids)
-        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         x = x.float()
         routed = ids.cpu()  # slot bookkeeping runs on the host whatever the device
-        experts = routed[0].tolist() if routed.shape[0] == 1 else torch.unique(routed).tolist()
+        cols = routed[0].tolist() if routed.shape[0] == 1 else None
+        experts = list(cols) if cols is not None else torch.unique(routed).tolist()
         # resident experts first: pinned before any miss can evict them
         experts.sort(key=lambda e: ((layer, e) not in self.pool, e))
+        if cols is not None and len(experts) <= self.pool.n_slots:  # decode: the layer's experts in one call
+            slots = self._acquire(layer, experts)
+            try:
+                w = weights[:, [cols.index(e) for e in experts]]
+                return self.device.experts(self.slots, slots, self.layout, x, w, self.limit)
+            finally:
+                for e in experts:
+                    self.pool.release((layer, e))
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         scan = x.shape[0] >= SCAN_TOKENS  # a prefill chunk: its misses go in cold (SlotPool.acquire)
         for start in range(0, len(experts), self.pool.n_slots):
             wave = experts[start : start + self.pool.n_slots]

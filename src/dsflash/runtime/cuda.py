@@ -15,7 +15,7 @@ from torch import nn
 from dsflash.model.experts import swiglu
 from dsflash.runtime import dense, triton_linear
 from dsflash.runtime.dense import Bf16Weight, Fp8Weight
-from dsflash.runtime.device import PackedMatrix, ShardLayout, SplitReader
+from dsflash.runtime.device import PackedMatrix, ShardLayout, SplitReader, expert_sum
 
 SLOT_ALIGN = 256  # bytes: every slot starts where a vector load of its tiles is aligned
 
@@ -106,6 +106,11 @@ class CudaDevice:
         self.synchronize()
         self._staging = []
         self._read.close()
+
+    def experts(
+        self, slots: torch.Tensor, ids: list[int], layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        return expert_sum(self, slots, ids, layout, x, w, limit)
 
     def expert(
         self, slots: torch.Tensor, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float

@@ -170,8 +170,7 @@ class ScreenedHead:
         for r in range(flat.shape[0]):
             mine = (top[r] // part == tp.rank).nonzero().squeeze(-1)
             if mine.numel():
-                rows = self.exact.w.index_select(0, top[r, mine] - tp.rank * part)
-                exact[r, mine] = native.bf16_gemv(rows, flat[r : r + 1])[0]
+                exact[r, mine] = native.bf16_gemv_rows(self.exact.w, top[r, mine] - tp.rank * part, flat[r])
         logits.scatter_(-1, top, tp.all_reduce(exact))
         return logits.view(*lead, vocab)
 

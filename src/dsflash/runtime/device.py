@@ -71,7 +71,24 @@ class Device(Protocol):
         self, slots, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
     ) -> torch.Tensor: ...
 
+    def experts(
+        self, slots, ids: list[int], layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        """The routed sum of several resident experts over the same tokens: w [t, n] holds expert ids[i]'s weights
+        in column i -> fp32 [t, d], the experts added in the order given (expert_sum, or one fused call)."""
+        ...
+
     def close(self) -> None: ...
+
+
+def expert_sum(
+    device: Device, slots, ids: list[int], layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """Device.experts as one Device.expert call per expert."""
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for i, slot in enumerate(ids):
+        y += device.expert(slots, slot, layout, x, w[:, i : i + 1], limit)[:, : x.shape[1]]
+    return y
 
 
 def host_available() -> int:
@@ -156,6 +173,16 @@ class CpuDevice:
 
     def close(self) -> None:
         self._read.close()
+
+    def experts(
+        self, slots: np.ndarray, ids: list[int], layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
+    ) -> torch.Tensor:
+        """One token (decode): the whole layer's experts in one native call (native.moe_decode); more: one by one."""
+        if x.shape[0] == 1:
+            y = native.moe_decode(slots, ids, layout, x, w, limit)
+            if y is not None:
+                return y[:, : x.shape[1]]
+        return expert_sum(self, slots, ids, layout, x, w, limit)
 
     def expert(
         self, slots: np.ndarray, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float

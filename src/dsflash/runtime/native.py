@@ -73,10 +73,13 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.bfp_gemv.argtypes = [p, i, i, i, p, i, p, i, i]
     lib.bfp_expand.argtypes = [p, i, i, i, p, i, i, i]
+    i64 = ctypes.c_int64
+    lib.bfp_moe_decode.argtypes = [p, i, i, i64, i64, i64, i, i, i, p, p, ctypes.c_float, p, p]
     lib.fp8_gemv.argtypes = [p, p, i, i, i, p, i, p, i, i]
     lib.fp8_gemv_grouped.argtypes = [p, p, i, i, i, p, i, p]
     lib.fp8_expand.argtypes = [p, p, i, i, i, p, i, i, i]
     lib.bf16_gemv.argtypes = [p, i, i, p, i, p, i, i]
+    lib.bf16_gemv_rows.argtypes = [p, i, p, i, p, p]
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], i
     lib.amx_linear.argtypes = [p, i, i, p, i, i, i, p]
     lib.amx_linear_packed.argtypes, lib.amx_linear_packed.restype = [i, p, p, i, i, i, p, i, i, p], i
@@ -124,6 +127,31 @@ def gemv(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: str, x: 
         return x @ dequant_bf16(tiles, shape, fmt).float().T
     tr, tc, m = rows // 32, cols // 32, MBITS[fmt]
     k.bfp_gemv(_ptr(tiles), tr, tc, m, x.data_ptr(), x.shape[0], y.data_ptr(), 0, tr)
+    return y
+
+
+def moe_decode(
+    slots: np.ndarray, ids: list[int], layout, x: torch.Tensor, weights: torch.Tensor, limit: float
+) -> torch.Tensor | None:
+    """One token through several routed experts held in slots (uint8 [n_slots, stride]; layout: device.ShardLayout):
+    x [1, cols] fp32, weights [n] -> fp32 [1, w2 rows], the sum over ids in order of expert(ids[i]) * weights[i], as
+    one native call (bfp_moe_decode). None without kernels."""
+    k = lib()
+    if k is None or not ids:
+        return None
+    w1, w3, w2 = layout.w1, layout.w3, layout.w2
+    xs = x.reshape(-1).float()
+    if xs.numel() != w1.cols:  # the tiles cover whole 32-column blocks
+        xs = torch.nn.functional.pad(xs, (0, w1.cols - xs.numel()))
+    xs = xs.contiguous()
+    wts = weights.reshape(-1).float().contiguous()
+    n, tr13, tc13 = len(ids), w1.rows // 32, w1.cols // 32
+    base, stride = slots.ctypes.data, slots.strides[0]
+    ptrs = (ctypes.c_void_p * n)(*(base + s * stride for s in ids))
+    work = scratch(((tc13 + n * tr13) * 64,), torch.float32)
+    y = torch.empty(1, w2.rows, dtype=torch.float32)
+    k.bfp_moe_decode(ptrs, n, MBITS[layout.fmt], w1.offset, w3.offset, w2.offset, tr13, tc13, w2.rows // 32,
+                     xs.data_ptr(), wts.data_ptr(), limit, work.data_ptr(), y.data_ptr())  # fmt: skip
     return y
 
 
@@ -186,6 +214,18 @@ def bf16_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     (O, I), x = w.shape, x.float().contiguous()
     y = torch.empty(x.shape[0], O, dtype=torch.float32)
     k.bf16_gemv(w.data_ptr(), O, I, x.data_ptr(), x.shape[0], y.data_ptr(), 0, O)
+    return y
+
+
+def bf16_gemv_rows(w: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """W bfloat16 [O, I], row indices [n], x [I] -> fp32 [n]: bf16_gemv's value of each listed row, read in place
+    (no gathered copy); None without kernels."""
+    k = lib()
+    if k is None:
+        return None
+    idx, x = rows.to(torch.int64).contiguous(), x.reshape(-1).float().contiguous()
+    y = torch.empty(idx.numel(), dtype=torch.float32)
+    k.bf16_gemv_rows(w.data_ptr(), w.shape[1], idx.data_ptr(), idx.numel(), x.data_ptr(), y.data_ptr())
     return y
 
 

@@ -64,34 +64,38 @@ static inline __m512 decode_row_avx512(const uint8_t *d, int m) {
 #define PREFETCH_TILE(p, n)                                                                                            \
     for (int l_ = 0; l_ < (n); l_ += 64) _mm_prefetch((const char *)(p) + l_, _MM_HINT_T0)
 
-/* one vector x: the 16 accumulators of a half tile row stay in registers (the loops have constant bounds) */
-static void gemv1_avx512(const uint8_t *tiles, int tc, int m, const float *sc, const float *x, float *y, int tr0,
-                         int tr1) {
+/* one vector x, tile row ti -> its 32 outputs: the 16 accumulators of a half tile row stay in registers (the loops
+ * have constant bounds) */
+static inline void row32_avx512(const uint8_t *tiles, int tc, int m, const float *sc, const float *x, int ti,
+                                float *y32) {
     const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
-#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
-    for (int ti = tr0; ti < tr1; ti++) {
-        for (int h = 0; h < 2; h++) {
-            __m512 acc[16];
+    for (int h = 0; h < 2; h++) {
+        __m512 acc[16];
 #pragma GCC unroll 16
-            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
-            for (int tj = 0; tj < tc; tj++) {
-                const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-                PREFETCH_TILE(t + PREFETCH_AHEAD * tb, tb);
-                for (int fc = 0; fc < 2; fc++) {
-                    const int f = 2 * h + fc;
-                    const __m512 xv = _mm512_loadu_ps(x + tj * 32 + fc * 16);
-                    const uint8_t *d = t + 64 + f * fb, *e = t + 16 * f;
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+        for (int tj = 0; tj < tc; tj++) {
+            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+            PREFETCH_TILE(t + PREFETCH_AHEAD * tb, tb);
+            for (int fc = 0; fc < 2; fc++) {
+                const int f = 2 * h + fc;
+                const __m512 xv = _mm512_loadu_ps(x + tj * 32 + fc * 16);
+                const uint8_t *d = t + 64 + f * fb, *e = t + 16 * f;
 #pragma GCC unroll 16
-                    for (int r = 0; r < 16; r++) {
-                        __m512 v = _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[e[r]]));
-                        acc[r] = _mm512_fmadd_ps(v, xv, acc[r]);
-                    }
+                for (int r = 0; r < 16; r++) {
+                    __m512 v = _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(sc[e[r]]));
+                    acc[r] = _mm512_fmadd_ps(v, xv, acc[r]);
                 }
             }
-#pragma GCC unroll 16
-            for (int r = 0; r < 16; r++) y[ti * 32 + 16 * h + r] = _mm512_reduce_add_ps(acc[r]);
         }
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) y32[16 * h + r] = _mm512_reduce_add_ps(acc[r]);
     }
+}
+
+static void gemv1_avx512(const uint8_t *tiles, int tc, int m, const float *sc, const float *x, float *y, int tr0,
+                         int tr1) {
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
+    for (int ti = tr0; ti < tr1; ti++) row32_avx512(tiles, tc, m, sc, x, ti, y + ti * 32);
 }
 #endif
 
@@ -109,52 +113,85 @@ static inline float hsum8(__m256 v) {
  * Each face's partial sums take the rows' scales once. About half the instructions of the one-row loop above.
  * All 32 rows of a tile row accumulate at once (16 registers), so each tile is read once, whole: 15.1 -> 18-19.7
  * GB/s against two passes of 16 rows (the same operations per row in the same order: the same bits). */
-static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *xeo, float *y, int tr0, int tr1) {
+static inline void row32_bfp4(const uint8_t *tiles, int tc, const float *xeo, int ti, float *y32) {
     const int tb = tile_bytes(3), fb = face_bytes(3);
-#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
-    for (int ti = tr0; ti < tr1; ti++) {
-        const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -0.0f, -1, -2, -3, -4, -5, -6, -7);
-        const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        const __m512i e255 = _mm512_set1_epi32(255);
-        const __m512 big = _mm512_set1_ps(0x1p126f), quarter = _mm512_set1_ps(0.25f);
-        __m512 acc[16];
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -0.0f, -1, -2, -3, -4, -5, -6, -7);
+    const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i e255 = _mm512_set1_epi32(255);
+    const __m512 big = _mm512_set1_ps(0x1p126f), quarter = _mm512_set1_ps(0.25f);
+    __m512 acc[16];
 #pragma GCC unroll 16
-        for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
-        for (int tj = 0; tj < tc; tj++) {
-            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-            PREFETCH_TILE(t + PREFETCH_AHEAD * tb, tb);
+    for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+    for (int tj = 0; tj < tc; tj++) {
+        const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+        PREFETCH_TILE(t + PREFETCH_AHEAD * tb, tb);
 #pragma GCC unroll 4
-            for (int f = 0; f < 4; f++) {
-                const int h = f >> 1, fc = f & 1;
-                const float *xs = xeo + (size_t)(2 * tj + fc) * 32;
-                const __m512 xe = _mm512_loadu_ps(xs), xo = _mm512_loadu_ps(xs + 16);
-                /* 2^(e - 127 - 2) per row as in scales(): e << 23 is 2^(e-127) (0 for e = 0, where every code is 0
-                 * anyway); e = 255 keeps the table's finite 2^126 */
-                const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 16 * f)));
-                __m512 sr = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), quarter);
-                sr = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, e255), sr, big);
-                const uint8_t *d = t + 64 + f * fb;
-                __m512i idx = pair0;
+        for (int f = 0; f < 4; f++) {
+            const int h = f >> 1, fc = f & 1;
+            const float *xs = xeo + (size_t)(2 * tj + fc) * 32;
+            const __m512 xe = _mm512_loadu_ps(xs), xo = _mm512_loadu_ps(xs + 16);
+            /* 2^(e - 127 - 2) per row as in scales(): e << 23 is 2^(e-127) (0 for e = 0, where every code is 0
+             * anyway); e = 255 keeps the table's finite 2^126 */
+            const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 16 * f)));
+            __m512 sr = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), quarter);
+            sr = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, e255), sr, big);
+            const uint8_t *d = t + 64 + f * fb;
+            __m512i idx = pair0;
 #pragma GCC unroll 8
-                for (int k = 0; k < 8; k++) {
-                    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(d + 16 * k)));
-                    const __m512 lo = _mm512_permutexvar_ps(w, lut);
-                    const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut);
-                    const __m512 p = _mm512_fmadd_ps(lo, xe, _mm512_mul_ps(hi, xo));
-                    acc[8 * h + k] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, sr), acc[8 * h + k]);
-                    idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2));
-                }
+            for (int k = 0; k < 8; k++) {
+                const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(d + 16 * k)));
+                const __m512 lo = _mm512_permutexvar_ps(w, lut);
+                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut);
+                const __m512 p = _mm512_fmadd_ps(lo, xe, _mm512_mul_ps(hi, xo));
+                acc[8 * h + k] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(idx, sr), acc[8 * h + k]);
+                idx = _mm512_add_epi32(idx, _mm512_set1_epi32(2));
             }
         }
+    }
 #pragma GCC unroll 16
-        for (int k = 0; k < 16; k++) {
-            y[ti * 32 + 2 * k] = hsum8(_mm512_castps512_ps256(acc[k]));
-            y[ti * 32 + 2 * k + 1] = hsum8(_mm512_extractf32x8_ps(acc[k], 1));
-        }
+    for (int k = 0; k < 16; k++) {
+        y32[2 * k] = hsum8(_mm512_castps512_ps256(acc[k]));
+        y32[2 * k + 1] = hsum8(_mm512_extractf32x8_ps(acc[k], 1));
     }
 }
 
+static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *xeo, float *y, int tr0, int tr1) {
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
+    for (int ti = tr0; ti < tr1; ti++) row32_bfp4(tiles, tc, xeo, ti, y + ti * 32);
+}
+
 #endif
+
+/* 16 columns of x -> the even / odd form gemv1_bfp4 reads: 8 even values twice, then 8 odd values twice */
+static inline void split_eo(const float *x16, float *seg32) {
+    for (int j = 0; j < 8; j++) {
+        seg32[j] = seg32[8 + j] = x16[2 * j];
+        seg32[16 + j] = seg32[24 + j] = x16[2 * j + 1];
+    }
+}
+
+/* the portable loops: tile row ti of W against one vector x -> its 32 outputs */
+static inline void row32_generic(const uint8_t *tiles, int tc, int m, const float *sc, const float *x, int ti,
+                                 float *y32) {
+    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
+    float v[16];
+    memset(y32, 0, 32 * sizeof(float));
+    for (int tj = 0; tj < tc; tj++) {
+        const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
+        for (int f = 0; f < 4; f++) {
+            const uint8_t *d = t + 64 + f * fb;
+            for (int r = 0; r < 16; r++) {
+                int e = t[16 * f + r];
+                if (e == 0) continue;
+                decode_row(d + r * rb, m, v);
+                const float *xs = x + tj * 32 + (f & 1) * 16;
+                float dot = 0;
+                for (int c = 0; c < 16; c++) dot += v[c] * xs[c];
+                y32[(f >> 1) * 16 + r] += sc[e] * dot;
+            }
+        }
+    }
+}
 
 /* y[k, o] = sum_i W[o, i] x[k, i] for tile rows [tr0, tr1).
  * tiles: W [tr*32, tc*32] packed; x: [nx, tc*32] fp32; y: [nx, tr*32] fp32. Best for a few vectors (decode). */
@@ -165,12 +202,8 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
     scales(m, sc);
 #ifdef __AVX512F__
     if (nx == 1 && m == 3) {
-        float xeo[tc * 64]; /* even / odd columns per 16-column segment, each half duplicated (gemv1_bfp4) */
-        for (int s = 0; s < 2 * tc; s++)
-            for (int j = 0; j < 8; j++) {
-                xeo[s * 32 + j] = xeo[s * 32 + 8 + j] = x[s * 16 + 2 * j];
-                xeo[s * 32 + 16 + j] = xeo[s * 32 + 24 + j] = x[s * 16 + 2 * j + 1];
-            }
+        float xeo[tc * 64];
+        for (int s = 0; s < 2 * tc; s++) split_eo(x + s * 16, xeo + s * 32);
         gemv1_bfp4(tiles, tc, xeo, y, tr0, tr1);
         return;
     }
@@ -207,28 +240,85 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
         }
     }
 #else
-    float v[16];
-    for (int ti = tr0; ti < tr1; ti++) {
-        for (int k = 0; k < nx; k++) memset(y + (size_t)k * out + ti * 32, 0, 32 * sizeof(float));
-        for (int tj = 0; tj < tc; tj++) {
-            const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-            for (int f = 0; f < 4; f++) {
-                const uint8_t *d = t + 64 + f * fb;
-                for (int r = 0; r < 16; r++) {
-                    int e = t[16 * f + r];
-                    if (e == 0) continue;
-                    decode_row(d + r * rb, m, v);
-                    for (int k = 0; k < nx; k++) {
-                        const float *xs = x + (size_t)k * in + tj * 32 + (f & 1) * 16;
-                        float dot = 0;
-                        for (int c = 0; c < 16; c++) dot += v[c] * xs[c];
-                        y[(size_t)k * out + ti * 32 + (f >> 1) * 16 + r] += sc[e] * dot;
-                    }
+    (void)tb, (void)fb, (void)rb;
+    for (int ti = tr0; ti < tr1; ti++)
+        for (int k = 0; k < nx; k++) row32_generic(tiles, tc, m, sc, x + (size_t)k * in, ti, y + (size_t)k * out + ti * 32);
+#endif
+}
+
+/* Tile row ti of W against one vector, the vector in the form the format's one-vector loop reads (even / odd split
+ * for bfp4_b on AVX-512, plain otherwise: vec_floats per 32 columns). Same operations as bfp_gemv with nx = 1. */
+#ifdef __AVX512F__
+#define EO_FORM(m) ((m) == 3)
+static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti, float *y32) {
+    if (m == 3)
+        row32_bfp4(tiles, tc, xv, ti, y32);
+    else
+        row32_avx512(tiles, tc, m, sc, xv, ti, y32);
+}
+#else
+#define EO_FORM(m) 0
+static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti, float *y32) {
+    row32_generic(tiles, tc, m, sc, xv, ti, y32);
+}
+#endif
+
+/* 32 values -> the vector form row32 reads, at the place of columns [32 ti, 32 ti + 32) */
+static inline void put32(const float *v, int eo, int ti, float *vec) {
+    if (eo) {
+        split_eo(v, vec + (size_t)ti * 64);
+        split_eo(v + 16, vec + (size_t)ti * 64 + 32);
+    } else {
+        memcpy(vec + (size_t)ti * 32, v, 32 * sizeof(float));
+    }
+}
+
+/* One decode token through n routed experts, every one in a slot of the same layout (w1 and w3 [32 tr13, 32 tc13],
+ * w2 [32 tr2, 32 tr13] at byte offsets off1 / off3 / off2 of its slot):
+ *   y = sum over e = 0..n-1, in that order, of W2_e (wts[e] * swiglu(W1_e x, W3_e x))
+ * with swiglu(g, u) = silu(min(g, limit)) * clamp(u, -limit, limit) (no clamp where limit <= 0), as
+ * model.experts.swiglu computes it. One parallel region and one barrier for the whole layer where three kernel calls
+ * and a handful of tensor operations per expert went before; each product has the bits of bfp_gemv's.
+ * x: [32 tc13] fp32; y: [32 tr2] fp32; work: (tc13 + n tr13) * 64 floats of scratch. */
+void bfp_moe_decode(const uint8_t *const *slots, int n, int m, int64_t off1, int64_t off3, int64_t off2, int tr13,
+                    int tc13, int tr2, const float *x, const float *wts, float limit, float *work, float *y) {
+    const int eo = EO_FORM(m);
+    const size_t hlen = (size_t)tr13 * (eo ? 64 : 32);
+    float *xv = work, *h = work + (size_t)tc13 * 64;
+    float sc[256];
+    scales(m, sc);
+    for (int tj = 0; tj < tc13; tj++) put32(x + (size_t)tj * 32, eo, tj, xv);
+    const size_t tiles = (size_t)n * tr13 * (2 * tc13 + tr2);
+#pragma omp parallel if (tiles > PARALLEL_TILES)
+    {
+#pragma omp for schedule(static)
+        for (int it = 0; it < n * tr13; it++) {
+            const int e = it / tr13, ti = it % tr13;
+            float g[32], u[32], v[32];
+            row32(slots[e] + off1, tc13, m, sc, xv, ti, g);
+            row32(slots[e] + off3, tc13, m, sc, xv, ti, u);
+            for (int r = 0; r < 32; r++) {
+                float gr = g[r], ur = u[r];
+                if (limit > 0) { /* comparisons, not fminf: a NaN stays NaN as in torch.clamp */
+                    ur = ur < -limit ? -limit : (ur > limit ? limit : ur);
+                    gr = gr > limit ? limit : gr;
                 }
+                v[r] = gr / (1.0f + expf(-gr)) * ur * wts[e];
             }
+            put32(v, eo, ti, h + e * hlen);
+        }
+        /* the barrier: every expert's activation is complete before any w2 row reads it */
+#pragma omp for schedule(static)
+        for (int ti = 0; ti < tr2; ti++) {
+            float acc[32], t[32];
+            row32(slots[0] + off2, tr13, m, sc, h, ti, acc);
+            for (int e = 1; e < n; e++) {
+                row32(slots[e] + off2, tr13, m, sc, h + e * hlen, ti, t);
+                for (int r = 0; r < 32; r++) acc[r] += t[r];
+            }
+            memcpy(y + (size_t)ti * 32, acc, sizeof acc);
         }
     }
-#endif
 }
 
 /* Store one decoded face row (16 values, already scaled) as fp32, or as bfloat16: its top half, exact since q has

@@ -261,6 +261,13 @@ void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y
     }
 }
 
+/* rows idx[0..n) of W [., I] against one vector: y[j] = W[idx[j]] . x, each row bf16_gemv's own bits (the head's
+ * re-scored rows, read in place instead of gathered first) */
+void bf16_gemv_rows(const uint16_t *w, int I, const int64_t *idx, int n, const float *x, float *y) {
+#pragma omp parallel for schedule(static) if ((size_t)n * I > PARALLEL_ELEMENTS)
+    for (int j = 0; j < n; j++) bf16_gemv(w + (size_t)idx[j] * I, 1, I, x, 1, y + j, 0, 1);
+}
+
 /* one FP8 row with its scales (x 256, as above) -> I values at out, fp32 or bfloat16 (bf16 != 0; exact: an FP8 value
  * times a power of two has at most 4 significant bits) */
 static void expand_row(const uint8_t *row, const float *sr, int I, int B, void *out, int bf16) {
