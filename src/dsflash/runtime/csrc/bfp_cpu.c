@@ -246,8 +246,8 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
 #endif
 }
 
-/* Tile row ti of W against one vector, the vector in the form the format's one-vector loop reads (even / odd split
- * for bfp4_b on AVX-512, plain otherwise: vec_floats per 32 columns). Same operations as bfp_gemv with nx = 1. */
+/* Tile row ti of W against one vector, the vector in the form the format's one-vector loop reads (bfp4_b on
+ * AVX-512: the even / odd split, 64 floats per 32 columns; otherwise plain). Same operations as bfp_gemv, nx = 1. */
 #ifdef __AVX512F__
 #define EO_FORM(m) ((m) == 3)
 static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti, float *y32) {
