@@ -123,7 +123,8 @@ def time_engine(opts: EngineOptions, threads: int, prompt: list[int], steps: int
 def bench(
     name: str, model_dir: Path, prompt_len: int, steps: int, slots: int, threads: int, device: str, bracket: bool = True
 ) -> dict:
-    cfg = Checkpoint.open(model_dir).config
+    ckpt = Checkpoint.open(model_dir)
+    cfg = ckpt.config
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, min(cfg.vocab_size, 100000), prompt_len)]
     max_len = prompt_len + steps + 1
@@ -135,8 +136,9 @@ def bench(
     before_ref = isolated(time_reference, *ref_args)
     cache = str(CACHE / "stores")
     t = time.perf_counter()
-    build_store(Checkpoint.open(model_dir), cache, tp=1, fmt="bfp4_b", progress=False, rebuild=True)
+    build_store(ckpt, cache, tp=1, fmt="bfp4_b", progress=False, rebuild=True)
     store_s = time.perf_counter() - t
+    ckpt.close()
     opts = EngineOptions(
         str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads, device=device
     )

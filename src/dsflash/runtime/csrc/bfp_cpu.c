@@ -196,11 +196,11 @@ static inline void row32_generic(const uint8_t *tiles, int tc, int m, const floa
 /* y[k, o] = sum_i W[o, i] x[k, i] for tile rows [tr0, tr1).
  * tiles: W [tr*32, tc*32] packed; x: [nx, tc*32] fp32; y: [nx, tr*32] fp32. Best for a few vectors (decode). */
 void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int nx, float *y, int tr0, int tr1) {
-    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
     const int in = tc * 32, out = tr * 32;
     float sc[256];
     scales(m, sc);
 #ifdef __AVX512F__
+    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
     if (nx == 1 && m == 3) {
         float xeo[tc * 64];
         for (int s = 0; s < 2 * tc; s++) split_eo(x + s * 16, xeo + s * 32);
@@ -240,7 +240,6 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
         }
     }
 #else
-    (void)tb, (void)fb, (void)rb;
     for (int ti = tr0; ti < tr1; ti++)
         for (int k = 0; k < nx; k++) row32_generic(tiles, tc, m, sc, x + (size_t)k * in, ti, y + (size_t)k * out + ti * 32);
 #endif
