@@ -297,3 +297,71 @@ def test_fused_mixes_are_the_models(kernels):
         for w, o in zip(want, got, strict=True):
             assert o.shape == w.shape
             torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_collapse_norm_and_expand_are_the_models(kernels):
+    """A block's collapse + RMSNorm and its expansion, one C call each: the norm to float32 rounding (its mean sums in
+    another order), the expansion bit for bit (the same sums in the same order), for decode tokens and a prefill
+    chunk, at V4.1's width and a narrow one, the weights as strided views; other dtypes are left to torch."""
+    from dsflash.model import mhc
+    from dsflash.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(6)
+    for t, hc, d in ((1, 4, 5120), (37, 4, 64), (3, 2, 96)):
+        x = torch.randn(1, t, hc, d, generator=g) * 3
+        # views into one [.., (2 + hc) hc] tensor, as mhc.mixes hands them over: not contiguous
+        m = torch.rand(1, t, (2 + hc) * hc, generator=g)
+        w, post, comb = m[..., :hc], m[..., hc : 2 * hc] * 2, m[..., 2 * hc :].unflatten(-1, (hc, hc))
+        f = torch.randn(1, t, d, generator=g)
+        norm = RMSNorm(d, 1e-20)
+        norm.weight.data = torch.randn(d, generator=g)
+        got = native.hc_collapse_norm(x, w, norm.weight, norm.eps), native.hc_expand(f, x, post, comb)
+        if kernels == "none":
+            assert got == (None, None)
+            return
+        torch.testing.assert_close(got[0], norm(mhc.collapse(x, w)), rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[1], mhc.expand(f, x, post, comb))
+    bf = x.bfloat16()
+    assert native.hc_collapse_norm(bf, w, norm.weight, 1e-20) is None and native.hc_expand(f, bf, post, comb) is None
+
+
+def test_shared_expert_in_one_call_is_its_three_products(kernels):
+    """The shared expert's decode row (W2 swiglu(W1 x, W3 x), FP8 weights) as one call: each product the GEMV's,
+    the activation torch's to float32 rounding, with the clamps active, for widths whose rows straddle the kernel's
+    8-row units; shapes off the scale blocks are declined (the caller multiplies matrix by matrix)."""
+    from dsflash.model.experts import swiglu
+
+    g = torch.Generator().manual_seed(7)
+    for f_, d in ((96, 64), (2304, 5120), (40 * 32, 160)):
+        w1, w3, w2 = (Fp8Weight.quantized(torch.randn(*s, generator=g) * 0.3, 32) for s in ((f_, d), (f_, d), (d, f_)))
+        x = torch.randn(1, d, generator=g)
+        args = (w1.q, w1.scale256, w3.q, w3.scale256, w2.q, w2.scale256, 32)
+        got = native.fp8_ffn_decode(*args, x, 1.0)
+        if kernels != "native":  # the portable build has no vector loops to share; no kernels: nothing
+            assert got is None
+            return
+        want = w2.linear(swiglu(w1.linear(x), w3.linear(x), 1.0))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(want, w2.linear(swiglu(w1.linear(x), w3.linear(x), 0.0)))  # the clamps were active
+    odd = Fp8Weight.quantized(torch.randn(48, 64), 32)  # 48 rows: not whole 32-row scale blocks
+    assert (
+        native.fp8_ffn_decode(odd.q, odd.scale256, odd.q, odd.scale256, odd.q, odd.scale256, 32, x[:, :64], 1.0) is None
+    )
+
+
+def test_top_indices_are_topks_set(kernels):
+    """The screened head's candidates: each row's k largest as torch.topk finds them, in any order; among equal
+    values at the boundary the earlier indices; k beyond the row takes all of it."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 129280, generator=g)
+    x[0, 5:70] = 7.0  # 65 equal values for 64 places
+    x[2, -1] = 50.0  # the last value, past the 16-wide loop's end
+    got = native.top_indices(x, 64)
+    if kernels == "none":
+        assert got is None
+        return
+    assert got.shape == (3, 64)
+    for r in range(3):
+        assert set(got[r].tolist()) == set(torch.topk(x[r], 64).indices.tolist())
+    assert sorted(got[0].tolist()) == list(range(5, 69))
+    assert sorted(native.top_indices(torch.tensor([[1.0, 3.0, 2.0]]), 5)[0].tolist()) == [0, 1, 2]

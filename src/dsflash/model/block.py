@@ -42,6 +42,10 @@ class Block(nn.Module):
         # a runtime may put a fused mhc.mixes here too: (x, fn, scale, base, *hc_args) -> (pre, post, comb), or None
         # where it does not pay
         self.fused_mixes = None
+        # and a fused collapse + RMSNorm, (x, weights, norm weight, eps) -> normed, and a fused expand with
+        # mhc.expand's arguments, each returning None where it does not apply
+        self.fused_collapse_norm = None
+        self.fused_expand = None
         self.attn = attention_cls(cfg, spec, tp, rope)
         self.ffn = MoE(cfg, spec, tp)
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -57,14 +61,22 @@ class Block(nn.Module):
         out = self.fused_mixes(x, fn, scale, base, *self.hc_args) if self.fused_mixes is not None else None
         return out if out is not None else mhc.mixes(x, fn, scale, base, *self.hc_args, normalize=self.sinkhorn)
 
+    def collapse_norm(self, x: torch.Tensor, weights: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        out = self.fused_collapse_norm(x, weights, norm.weight, norm.eps) if self.fused_collapse_norm else None
+        return out if out is not None else norm(mhc.collapse(x, weights))
+
+    def expand(self, f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        out = self.fused_expand(f, x, post, comb) if self.fused_expand else None
+        return out if out is not None else mhc.expand(f, x, post, comb)
+
     def forward(self, x, pre_mix, step: Step, experts: ExpertBackend, *attn_args):
         """x [b, s, hc, d], pre_mix [b, s, hc] -> (x, this block's FFN pre weights for the next block)."""
         attn_pre, post, comb = self.mixes(x, "attn")
-        a = self.attn_norm(mhc.collapse(x, pre_mix))
-        x = mhc.expand(self.attn(a, step, *attn_args), x, post, comb)
+        a = self.collapse_norm(x, pre_mix, self.attn_norm)
+        x = self.expand(self.attn(a, step, *attn_args), x, post, comb)
         ffn_pre, post, comb = self.mixes(x, "ffn")
-        f = self.ffn_norm(mhc.collapse(x, attn_pre))
-        x = mhc.expand(self.ffn(f, experts, step.trace), x, post, comb)
+        f = self.collapse_norm(x, attn_pre, self.ffn_norm)
+        x = self.expand(self.ffn(f, experts, step.trace), x, post, comb)
         return x, ffn_pre
 
 

@@ -48,10 +48,12 @@ class SharedExpert(nn.Module):
         self.w3 = ColumnParallelLinear(d, inter, tp)
         self.w2 = RowParallelLinear(inter, d, tp, reduce=False)  # reduced together with the routed experts
         self.limit = cfg.swiglu_limit
+        self.fused = None  # a runtime's one-call form of partial: x -> the same, or None where it does not apply
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output, fp32 [t, d] (V4.1 clamps the shared expert too)."""
-        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit)).float()
+        y = self.fused(x) if self.fused is not None else None
+        return y if y is not None else self.w2(swiglu(self.w1(x), self.w3(x), self.limit)).float()
 
 
 class MoE(nn.Module):

@@ -164,7 +164,7 @@ class ScreenedHead:
         if screen is None:
             return tp.all_gather_last(self.exact.linear(flat))[:, :vocab].view(*lead, vocab)
         logits = tp.all_gather_last(screen)[:, :vocab].contiguous()  # padding past the vocabulary never competes
-        top = logits.topk(min(HEAD_EXACT, vocab), dim=-1).indices
+        top = native.top_indices(logits, HEAD_EXACT)
         part = screen.shape[-1]
         exact = torch.zeros(top.shape, dtype=torch.float32)
         for r in range(flat.shape[0]):

@@ -77,9 +77,11 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.bfp_moe_decode.argtypes = [p, i, i, i64, i64, i64, i, i, i, p, p, ctypes.c_float, p, p]
     lib.fp8_gemv.argtypes = [p, p, i, i, i, p, i, p, i, i]
     lib.fp8_gemv_grouped.argtypes = [p, p, i, i, i, p, i, p]
+    lib.fp8_ffn_decode.argtypes, lib.fp8_ffn_decode.restype = [p, p, p, p, p, p, i, i, i, p, ctypes.c_float, p, p], i
     lib.fp8_expand.argtypes = [p, p, i, i, i, p, i, i, i]
     lib.bf16_gemv.argtypes = [p, i, i, p, i, p, i, i]
     lib.bf16_gemv_rows.argtypes = [p, i, p, i, p, p]
+    lib.top_indices.argtypes = [p, ctypes.c_int64, i, p]
     lib.amx_ready.argtypes, lib.amx_ready.restype = [], i
     lib.amx_linear.argtypes = [p, i, i, p, i, i, i, p]
     lib.amx_linear_packed.argtypes, lib.amx_linear_packed.restype = [i, p, p, i, i, i, p, i, i, p], i
@@ -87,6 +89,8 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.sinkhorn.argtypes = [p, ctypes.c_int64, i, i, ctypes.c_float]
     f = ctypes.c_float
     lib.mhc_mixes.argtypes = [p, ctypes.c_int64, i, i, p, p, p, i, f, f, p]
+    lib.hc_collapse_norm.argtypes = [p, ctypes.c_int64, i, i, p, p, f, p]
+    lib.hc_expand.argtypes = [p, p, p, p, ctypes.c_int64, i, i, p]
     return lib
 
 
@@ -206,6 +210,22 @@ def fp8_gemv_grouped(w: torch.Tensor, scale256: torch.Tensor, block: int, x: tor
     return y
 
 
+def fp8_ffn_decode(w1, s1, w3, s3, w2, s2, block: int, x: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """W2 swiglu(W1 x, W3 x) for one row x [1, D] fp32 with FP8 W1, W3 [F, D] and W2 [D, F] (uint8 views, scales x
+    256), as one call: each product fp8_gemv's bits, the activation model.experts.swiglu's math. -> fp32 [1, D];
+    None without kernels or where the shapes do not suit the vector loops."""
+    k = lib()
+    if k is None:
+        return None
+    (F_, D), x = w1.shape, x.float().contiguous()
+    h = scratch((F_,), torch.float32)
+    y = torch.empty(1, D, dtype=torch.float32)
+    ptrs = [t.data_ptr() for t in (w1, s1, w3, s3, w2, s2)]
+    if not k.fp8_ffn_decode(*ptrs, F_, D, block, x.data_ptr(), limit, h.data_ptr(), y.data_ptr()):
+        return None
+    return y
+
+
 def bf16_gemv(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """x [n, I] fp32 @ W^T with W bfloat16 [O, I] -> fp32 [n, O] (exact products); None without kernels."""
     k = lib()
@@ -227,6 +247,20 @@ def bf16_gemv_rows(w: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torc
     y = torch.empty(idx.numel(), dtype=torch.float32)
     k.bf16_gemv_rows(w.data_ptr(), w.shape[1], idx.data_ptr(), idx.numel(), x.data_ptr(), y.data_ptr())
     return y
+
+
+def top_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The indices of each row's k largest values, x [n, V] fp32 -> int64 [n, k] (each row's in no particular
+    order; ties keep the earlier index); None without kernels."""
+    kern = lib()
+    if kern is None or x.device.type != "cpu":
+        return None
+    x = x.float().contiguous()
+    k = min(k, x.shape[1])
+    out = torch.empty(x.shape[0], k, dtype=torch.int64)
+    for r in range(x.shape[0]):
+        kern.top_indices(x[r].data_ptr(), x.shape[1], k, out[r].data_ptr())
+    return out
 
 
 def fp8_dequant(
@@ -272,6 +306,36 @@ def mhc_mixes(
     k.mhc_mixes(xf.data_ptr(), xf.numel() // (hc * d), hc, d, fn.data_ptr(), scale.data_ptr(), base.data_ptr(),
                 iters, eps, hc_eps, out.data_ptr())  # fmt: skip
     return out[..., :hc], out[..., hc : 2 * hc], out[..., 2 * hc :].unflatten(-1, (hc, hc))
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
+
+
+def hc_collapse_norm(x: torch.Tensor, weights: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm(gamma, eps) of model.mhc.collapse(x, weights), fused: x [..., hc, d] fp32, weights [..., hc] -> fp32
+    [..., d], equal to fp32 rounding; None without kernels, off the CPU or for another dtype."""
+    k = lib()
+    if k is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    hc, d = x.shape[-2:]
+    xf, w, g = x.contiguous(), _f32(weights), _f32(gamma)  # named: a temporary's pointer would dangle in the call
+    out = torch.empty(*x.shape[:-2], d, dtype=torch.float32)
+    k.hc_collapse_norm(xf.data_ptr(), xf.numel() // (hc * d), hc, d, w.data_ptr(), g.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def hc_expand(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:
+    """model.mhc.expand fused: f [..., d], x [..., hc, d] fp32 -> fp32 [..., hc, d], the same sums in the same order;
+    None without kernels, off the CPU or for another dtype."""
+    k = lib()
+    if k is None or x.device.type != "cpu" or x.dtype != torch.float32 or f.dtype != torch.float32:
+        return None
+    hc, d = x.shape[-2:]
+    xf, ff, p, c = x.contiguous(), f.contiguous(), _f32(post), _f32(comb)  # named: see hc_collapse_norm
+    out = torch.empty(x.shape, dtype=torch.float32)
+    k.hc_expand(ff.data_ptr(), xf.data_ptr(), p.data_ptr(), c.data_ptr(), xf.numel() // (hc * d), hc, d, out.data_ptr())
+    return out
 
 
 # ------------------------------------------------------------------------------------------ AMX (prefill)

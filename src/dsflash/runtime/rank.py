@@ -11,12 +11,11 @@ import torch
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.load import load_into
 from dsflash.errors import ConfigError
-from dsflash.model import mhc
-from dsflash.model.block import Block, Embedding
+from dsflash.model.block import Embedding
 from dsflash.model.engram import EngramTable
 from dsflash.model.parallel import TP
 from dsflash.model.transformer import Transformer
-from dsflash.runtime import native
+from dsflash.runtime import fused, native
 from dsflash.runtime.cached_experts import CachedExperts
 from dsflash.runtime.dense import pack_dense
 from dsflash.runtime.device import CpuDevice, Device
@@ -146,7 +145,7 @@ class RankRuntime:
             triton_linear.warm_up(self.device, ("bf16", "fp8", opts.expert_format), cfg.fp8_block)  # dense, experts
         elif opts.dense_format != "fp32":
             self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul, screen_head=opts.screen_head)
-        _fuse_mhc(self.model, on_gpu)
+        fused.fill(self.model, on_gpu)
         self.model.eval()
         store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
         ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
@@ -181,38 +180,6 @@ class RankRuntime:
 
     def close(self) -> None:
         self.experts.close()
-
-
-FUSED_MIXES_MAX = 1 << 15  # values of x (tokens x hc x d) up to which mHC's mixes run as one C call
-
-
-def _fuse_mhc(model: torch.nn.Module, on_gpu: bool) -> None:
-    """Every block's Sinkhorn as one kernel (Triton on a GPU, C on the CPU), the torch version where that is
-    unavailable: same math, a fraction of the launches (it was about a quarter of a small model's decode step). On
-    the CPU, decode's whole mixing-weight computation is one C call as well (mhc.mixes is a dozen more small ops)."""
-    if on_gpu:
-        from dsflash.runtime import triton_mhc
-
-        kernel = triton_mhc.sinkhorn
-    elif native.lib() is not None:
-        kernel = native.sinkhorn
-    else:
-        return
-
-    def fused(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-        out = kernel(c, iters, eps)
-        return mhc.sinkhorn(c, iters, eps) if out is None else out
-
-    def mixes(x: torch.Tensor, *args):
-        # one thread's C loop against torch's BLAS: faster up to ~32k values (a token at V4.1's widths, 128 of the
-        # embedded model's), slower beyond
-        return native.mhc_mixes(x, *args) if x.numel() <= FUSED_MIXES_MAX else None
-
-    for m in model.modules():
-        if isinstance(m, Block):
-            m.sinkhorn = fused
-            if not on_gpu:
-                m.fused_mixes = mixes
 
 
 def to_device(model: torch.nn.Module, device: torch.device) -> None:

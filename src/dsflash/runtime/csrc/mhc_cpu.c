@@ -92,3 +92,39 @@ void mhc_mixes(const float *x, int64_t T, int hc, int d, const float *fn, const 
     }
     free(rs);
 }
+
+/* A block's collapse of the hc streams and the RMSNorm after it, fused (model/mhc.py's collapse, then RMSNorm):
+   per token, y = sum_j w[j] x[j] over the streams in their order, then g * y / sqrt(mean(y^2) + eps). Torch's chain
+   is a dozen small ops, each paying for a dispatch whose caches the weight streams between them have evicted. The
+   collapse rounds as torch's does; the norm's mean sums in another order (equal to fp32 rounding). */
+void hc_collapse_norm(const float *x, int64_t T, int hc, int d, const float *w, const float *g, float eps,
+                      float *out) {
+#pragma omp parallel for schedule(static) if (T > 4)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * hc * d, *wt = w + t * hc;
+        float *o = out + t * d;
+        for (int i = 0; i < d; i++) o[i] = wt[0] * xt[i];
+        for (int j = 1; j < hc; j++)
+            for (int i = 0; i < d; i++) o[i] += wt[j] * xt[(int64_t)j * d + i];
+        const float r = 1.0f / sqrtf(dot(o, o, d) / (float)d + eps);
+        for (int i = 0; i < d; i++) o[i] = g[i] * (o[i] * r);
+    }
+}
+
+/* A block's expansion back into the streams (model/mhc.py's expand): X'_k = post_k f + sum_j comb[j][k] X_j, the
+   sum over j in order, as torch rounds it. f [T, d], x [T, hc, d], post [T, hc], comb [T, hc, hc] -> out [T, hc, d]. */
+void hc_expand(const float *f, const float *x, const float *post, const float *comb, int64_t T, int hc, int d,
+               float *out) {
+#pragma omp parallel for schedule(static) if (T > 4)
+    for (int64_t t = 0; t < T; t++) {
+        const float *ft = f + t * d, *xt = x + t * hc * d, *ct = comb + t * hc * hc;
+        for (int k = 0; k < hc; k++) {
+            float *o = out + (t * hc + k) * d;
+            const float pk = post[t * hc + k];
+            for (int i = 0; i < d; i++) o[i] = ct[k] * xt[i];
+            for (int j = 1; j < hc; j++)
+                for (int i = 0; i < d; i++) o[i] += ct[j * hc + k] * xt[(int64_t)j * d + i];
+            for (int i = 0; i < d; i++) o[i] = pk * ft[i] + o[i];
+        }
+    }
+}

@@ -1,0 +1,67 @@
+"""The model's kernel hooks filled for the device: chains of small torch operations a decode step runs many times,
+each replaced by one kernel call of the same math.
+
+On the CPU a decode step interleaves those chains with GEMVs that stream hundreds of megabytes: every chain then
+starts with cold caches, and torch's dispatch of a single small operation costs 150-350 us there against 1-3 us
+warm (about 10x the cost of calling a C function cold). One call per chain is what pays, more than the arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsflash.model import mhc
+from dsflash.model.block import Block
+from dsflash.model.moe import SharedExpert
+from dsflash.runtime import native
+from dsflash.runtime.dense import Fp8Weight
+
+FUSED_MIXES_MAX = 1 << 15  # values of x (tokens x hc x d) up to which mHC's mixes run as one C call
+
+
+def fill(model: torch.nn.Module, on_gpu: bool) -> None:
+    """Every block's Sinkhorn as one kernel (Triton on a GPU, C on the CPU), the torch version where that is
+    unavailable: same math, a fraction of the launches (it was about a quarter of a small model's decode step). On
+    the CPU also: decode's mixing weights (mhc.mixes), the collapse with the norm after it, the expansion, and the
+    shared expert's FFN, one C call each."""
+    if on_gpu:
+        from dsflash.runtime import triton_mhc
+
+        kernel = triton_mhc.sinkhorn
+    elif native.lib() is not None:
+        kernel = native.sinkhorn
+    else:
+        return
+
+    def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        out = kernel(c, iters, eps)
+        return mhc.sinkhorn(c, iters, eps) if out is None else out
+
+    def mixes(x: torch.Tensor, *args):
+        # one thread's C loop against torch's BLAS: faster up to ~32k values (a token at V4.1's widths, 128 of the
+        # embedded model's), slower beyond
+        return native.mhc_mixes(x, *args) if x.numel() <= FUSED_MIXES_MAX else None
+
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.sinkhorn = sinkhorn
+            if not on_gpu:
+                m.fused_mixes = mixes
+                m.fused_collapse_norm = native.hc_collapse_norm
+                m.fused_expand = native.hc_expand
+        elif isinstance(m, SharedExpert) and not on_gpu:
+            m.fused = _ffn(m)
+
+
+def _ffn(m: SharedExpert):
+    """A decode row through the shared expert in one call where its three matrices are FP8 blocks, else None."""
+    w1, w3, w2 = (lin.packed for lin in (m.w1, m.w3, m.w2))
+    if not all(isinstance(w, Fp8Weight) for w in (w1, w3, w2)) or len({w.block for w in (w1, w3, w2)}) != 1:
+        return None
+
+    def ffn(x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] != 1:
+            return None
+        return native.fp8_ffn_decode(w1.q, w1.scale256, w3.q, w3.scale256, w2.q, w2.scale256, w1.block, x, m.limit)
+
+    return ffn
