@@ -365,3 +365,34 @@ def test_top_indices_are_topks_set(kernels):
         assert set(got[r].tolist()) == set(torch.topk(x[r], 64).indices.tolist())
     assert sorted(got[0].tolist()) == list(range(5, 69))
     assert sorted(native.top_indices(torch.tensor([[1.0, 3.0, 2.0]]), 5)[0].tolist()) == [0, 1, 2]
+
+
+def test_fused_norm_and_router_are_the_models(kernels):
+    """RMSNorm and the MoE router as one C call each: the norm to float32 rounding; the router picks the same
+    experts in the same order (descending score + bias, the bias never scaling them) with weights to float32
+    rounding, for every scoring function, normalised or not; what they do not handle is left to torch."""
+    from dsflash.model.layers import RMSNorm
+    from dsflash.model.moe import Gate
+
+    g = torch.Generator().manual_seed(9)
+    norm = RMSNorm(96, 1e-20)
+    norm.weight.data = torch.randn(96, generator=g)
+    x = torch.randn(7, 96, generator=g) * 4
+    gate = Gate.__new__(Gate)
+    torch.nn.Module.__init__(gate)
+    gate.weight = torch.nn.Parameter(torch.randn(64, 96, generator=g) * 0.1, requires_grad=False)
+    gate.bias = torch.nn.Parameter(torch.randn(64, generator=g) * 0.05, requires_grad=False)
+    gate.temp, gate.route_scale = 1.3, 1.5
+    if kernels == "none":
+        assert native.rms_norm(x, norm.weight, norm.eps) is None
+        assert native.moe_route(x, gate.weight, gate.bias, 1.0, "softmax", 6, True, 1.0) is None
+        return
+    torch.testing.assert_close(native.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-5, atol=1e-6)
+    for func, k, normed in (("sqrtsoftplus", 6, True), ("softmax", 8, False), ("sigmoid", 1, True)):
+        gate.score_func, gate.topk, gate.norm_topk = func, k, normed
+        want_w, want_ids = gate(x)
+        got_w, got_ids = native.moe_route(x, gate.weight, gate.bias, gate.temp, func, k, normed, gate.route_scale)
+        assert torch.equal(got_ids, want_ids), func
+        torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-7)
+    assert native.moe_route(x, gate.weight, gate.bias, 1.0, "relu", 6, True, 1.0) is None
+    assert native.rms_norm(x.bfloat16(), norm.weight, norm.eps) is None

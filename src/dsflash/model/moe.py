@@ -22,8 +22,13 @@ class Gate(nn.Module):
         if cfg.vision_config is not None and not spec.is_dspark:
             self.bias_vl = _param(spec.n_experts)  # image-span routing bias; loaded, unused for text
 
+    fused = None  # a runtime's kernel of forward: (gate, x) -> the same, or None where it does not apply
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [t, d] -> (weights fp32 [t, k], ids [t, k]); the bias picks experts but never scales them."""
+        out = self.fused(self, x) if self.fused is not None else None
+        if out is not None:
+            return out
         z = F.linear(x.float(), self.weight.float()) / self.temp
         if self.score_func == "softmax":
             scores = z.softmax(dim=-1)

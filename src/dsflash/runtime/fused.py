@@ -12,7 +12,8 @@ import torch
 
 from dsflash.model import mhc
 from dsflash.model.block import Block
-from dsflash.model.moe import SharedExpert
+from dsflash.model.layers import RMSNorm
+from dsflash.model.moe import Gate, SharedExpert
 from dsflash.runtime import native
 from dsflash.runtime.dense import Fp8Weight
 
@@ -22,8 +23,8 @@ FUSED_MIXES_MAX = 1 << 15  # values of x (tokens x hc x d) up to which mHC's mix
 def fill(model: torch.nn.Module, on_gpu: bool) -> None:
     """Every block's Sinkhorn as one kernel (Triton on a GPU, C on the CPU), the torch version where that is
     unavailable: same math, a fraction of the launches (it was about a quarter of a small model's decode step). On
-    the CPU also: decode's mixing weights (mhc.mixes), the collapse with the norm after it, the expansion, and the
-    shared expert's FFN, one C call each."""
+    the CPU also: decode's mixing weights (mhc.mixes), the collapse with the norm after it, the expansion, the
+    shared expert's FFN, every RMSNorm and the MoE router, one C call each."""
     if on_gpu:
         from dsflash.runtime import triton_mhc
 
@@ -51,6 +52,10 @@ def fill(model: torch.nn.Module, on_gpu: bool) -> None:
                 m.fused_expand = native.hc_expand
         elif isinstance(m, SharedExpert) and not on_gpu:
             m.fused = _ffn(m)
+        elif isinstance(m, RMSNorm) and not on_gpu:
+            m.fused = native.rms_norm
+        elif isinstance(m, Gate) and not on_gpu:
+            m.fused = _route
 
 
 def _ffn(m: SharedExpert):
@@ -65,3 +70,7 @@ def _ffn(m: SharedExpert):
         return native.fp8_ffn_decode(w1.q, w1.scale256, w3.q, w3.scale256, w2.q, w2.scale256, w1.block, x, m.limit)
 
     return ffn
+
+
+def _route(g: Gate, x: torch.Tensor):
+    return native.moe_route(x, g.weight, g.bias, g.temp, g.score_func, g.topk, g.norm_topk, g.route_scale)

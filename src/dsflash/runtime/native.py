@@ -91,6 +91,8 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.mhc_mixes.argtypes = [p, ctypes.c_int64, i, i, p, p, p, i, f, f, p]
     lib.hc_collapse_norm.argtypes = [p, ctypes.c_int64, i, i, p, p, f, p]
     lib.hc_expand.argtypes = [p, p, p, p, ctypes.c_int64, i, i, p]
+    lib.rms_norm.argtypes = [p, ctypes.c_int64, i, p, f, p]
+    lib.moe_route.argtypes = [p, ctypes.c_int64, i, p, p, i, f, i, i, i, f, p, p]
     return lib
 
 
@@ -323,6 +325,38 @@ def hc_collapse_norm(x: torch.Tensor, weights: torch.Tensor, gamma: torch.Tensor
     out = torch.empty(*x.shape[:-2], d, dtype=torch.float32)
     k.hc_collapse_norm(xf.data_ptr(), xf.numel() // (hc * d), hc, d, w.data_ptr(), g.data_ptr(), eps, out.data_ptr())
     return out
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """model.layers.RMSNorm fused: x [..., d] fp32 -> fp32, equal to fp32 rounding; None without kernels, off the
+    CPU or for another dtype."""
+    k = lib()
+    if k is None or x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    xf, g = x.contiguous(), _f32(gamma)  # named: see hc_collapse_norm
+    out = torch.empty(x.shape, dtype=torch.float32)
+    k.rms_norm(xf.data_ptr(), xf.numel() // x.shape[-1], x.shape[-1], g.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+ROUTE_FUNCS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+def moe_route(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, temp: float, func: str, k: int, norm: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """model.moe.Gate's routing fused: x [t, d] fp32, W [E, d] and bias [E] fp32 -> (weights fp32 [t, k], ids int64
+    [t, k]), the ids in descending order of score + bias; equal to fp32 rounding. None without kernels, off the
+    CPU or for a scoring function it does not know."""  # fmt: skip
+    kern = lib()
+    if kern is None or x.device.type != "cpu" or func not in ROUTE_FUNCS or x.dim() != 2:
+        return None
+    xf, wf, bf = _f32(x), _f32(w), _f32(bias)  # named: see hc_collapse_norm
+    t, (e, d) = xf.shape[0], wf.shape
+    weights, ids = torch.empty(t, k, dtype=torch.float32), torch.empty(t, k, dtype=torch.int64)
+    kern.moe_route(xf.data_ptr(), t, d, wf.data_ptr(), bf.data_ptr(), e, temp, ROUTE_FUNCS[func], k, int(norm), scale,
+                   weights.data_ptr(), ids.data_ptr())  # fmt: skip
+    return weights, ids
 
 
 def hc_expand(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:

@@ -64,10 +64,18 @@ static inline __m512 decode_row_avx512(const uint8_t *d, int m) {
 #define PREFETCH_TILE(p, n)                                                                                            \
     for (int l_ = 0; l_ < (n); l_ += 64) _mm_prefetch((const char *)(p) + l_, _MM_HINT_T0)
 
+/* The tile PREFETCH_AHEAD tiles after tile tj of a tile row at t: past the row's end, the row read next, `next`
+ * (NULL: the following row of the same matrix). A decode MoE alternates matrices and experts row by row, and each
+ * row started cold before: bfp_moe_decode 17.6 -> see docs/performance.md. */
+static inline const uint8_t *ahead(const uint8_t *t, int tj, int tc, int tb, const uint8_t *next) {
+    return next == NULL || tj + PREFETCH_AHEAD < tc ? t + PREFETCH_AHEAD * tb
+                                                    : next + (size_t)(tj + PREFETCH_AHEAD - tc) * tb;
+}
+
 /* one vector x, tile row ti -> its 32 outputs: the 16 accumulators of a half tile row stay in registers (the loops
  * have constant bounds) */
 static inline void row32_avx512(const uint8_t *tiles, int tc, int m, const float *sc, const float *x, int ti,
-                                float *y32) {
+                                const uint8_t *next, float *y32) {
     const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
     for (int h = 0; h < 2; h++) {
         __m512 acc[16];
@@ -75,7 +83,7 @@ static inline void row32_avx512(const uint8_t *tiles, int tc, int m, const float
         for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
         for (int tj = 0; tj < tc; tj++) {
             const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-            PREFETCH_TILE(t + PREFETCH_AHEAD * tb, tb);
+            PREFETCH_TILE(ahead(t, tj, tc, tb, h ? next : NULL), tb); /* the second pass ends the row */
             for (int fc = 0; fc < 2; fc++) {
                 const int f = 2 * h + fc;
                 const __m512 xv = _mm512_loadu_ps(x + tj * 32 + fc * 16);
@@ -95,7 +103,7 @@ static inline void row32_avx512(const uint8_t *tiles, int tc, int m, const float
 static void gemv1_avx512(const uint8_t *tiles, int tc, int m, const float *sc, const float *x, float *y, int tr0,
                          int tr1) {
 #pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
-    for (int ti = tr0; ti < tr1; ti++) row32_avx512(tiles, tc, m, sc, x, ti, y + ti * 32);
+    for (int ti = tr0; ti < tr1; ti++) row32_avx512(tiles, tc, m, sc, x, ti, NULL, y + ti * 32);
 }
 #endif
 
@@ -113,7 +121,8 @@ static inline float hsum8(__m256 v) {
  * Each face's partial sums take the rows' scales once. About half the instructions of the one-row loop above.
  * All 32 rows of a tile row accumulate at once (16 registers), so each tile is read once, whole: 15.1 -> 18-19.7
  * GB/s against two passes of 16 rows (the same operations per row in the same order: the same bits). */
-static inline void row32_bfp4(const uint8_t *tiles, int tc, const float *xeo, int ti, float *y32) {
+static inline void row32_bfp4(const uint8_t *tiles, int tc, const float *xeo, int ti, const uint8_t *next,
+                              float *y32) {
     const int tb = tile_bytes(3), fb = face_bytes(3);
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -0.0f, -1, -2, -3, -4, -5, -6, -7);
     const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -124,7 +133,7 @@ static inline void row32_bfp4(const uint8_t *tiles, int tc, const float *xeo, in
     for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
     for (int tj = 0; tj < tc; tj++) {
         const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-        PREFETCH_TILE(t + PREFETCH_AHEAD * tb, tb);
+        PREFETCH_TILE(ahead(t, tj, tc, tb, next), tb);
 #pragma GCC unroll 4
         for (int f = 0; f < 4; f++) {
             const int h = f >> 1, fc = f & 1;
@@ -157,7 +166,7 @@ static inline void row32_bfp4(const uint8_t *tiles, int tc, const float *xeo, in
 
 static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *xeo, float *y, int tr0, int tr1) {
 #pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
-    for (int ti = tr0; ti < tr1; ti++) row32_bfp4(tiles, tc, xeo, ti, y + ti * 32);
+    for (int ti = tr0; ti < tr1; ti++) row32_bfp4(tiles, tc, xeo, ti, NULL, y + ti * 32);
 }
 
 #endif
@@ -249,15 +258,18 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
  * AVX-512: the even / odd split, 64 floats per 32 columns; otherwise plain). Same operations as bfp_gemv, nx = 1. */
 #ifdef __AVX512F__
 #define EO_FORM(m) ((m) == 3)
-static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti, float *y32) {
+static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti,
+                         const uint8_t *next, float *y32) {
     if (m == 3)
-        row32_bfp4(tiles, tc, xv, ti, y32);
+        row32_bfp4(tiles, tc, xv, ti, next, y32);
     else
-        row32_avx512(tiles, tc, m, sc, xv, ti, y32);
+        row32_avx512(tiles, tc, m, sc, xv, ti, next, y32);
 }
 #else
 #define EO_FORM(m) 0
-static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti, float *y32) {
+static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti,
+                         const uint8_t *next, float *y32) {
+    (void)next;
     row32_generic(tiles, tc, m, sc, xv, ti, y32);
 }
 #endif
@@ -294,8 +306,11 @@ void bfp_moe_decode(const uint8_t *const *slots, int n, int m, int64_t off1, int
         for (int it = 0; it < n * tr13; it++) {
             const int e = it / tr13, ti = it % tr13;
             float g[32], u[32], v[32];
-            row32(slots[e] + off1, tc13, m, sc, xv, ti, g);
-            row32(slots[e] + off3, tc13, m, sc, xv, ti, u);
+            /* rows read in the order w1 ti, w3 ti, then the next (expert, ti) of this thread's share */
+            const int e1 = (it + 1) / tr13, ti1 = (it + 1) % tr13;
+            const size_t rb13 = (size_t)tc13 * tile_bytes(m);
+            row32(slots[e] + off1, tc13, m, sc, xv, ti, slots[e] + off3 + ti * rb13, g);
+            row32(slots[e] + off3, tc13, m, sc, xv, ti, e1 < n ? slots[e1] + off1 + ti1 * rb13 : NULL, u);
             for (int r = 0; r < 32; r++) {
                 float gr = g[r], ur = u[r];
                 if (limit > 0) { /* comparisons, not fminf: a NaN stays NaN as in torch.clamp */
@@ -310,9 +325,12 @@ void bfp_moe_decode(const uint8_t *const *slots, int n, int m, int64_t off1, int
 #pragma omp for schedule(static)
         for (int ti = 0; ti < tr2; ti++) {
             float acc[32], t[32];
-            row32(slots[0] + off2, tr13, m, sc, h, ti, acc);
+            const size_t rb2 = (size_t)tr13 * tile_bytes(m);
+            /* each expert's row ti, then the next expert's (the last: expert 0's next row) */
+            row32(slots[0] + off2, tr13, m, sc, h, ti, n > 1 ? slots[1] + off2 + ti * rb2 : NULL, acc);
             for (int e = 1; e < n; e++) {
-                row32(slots[e] + off2, tr13, m, sc, h + e * hlen, ti, t);
+                const uint8_t *nx = e + 1 < n ? slots[e + 1] + off2 + ti * rb2 : slots[0] + off2 + (ti + 1) * rb2;
+                row32(slots[e] + off2, tr13, m, sc, h + e * hlen, ti, nx, t);
                 for (int r = 0; r < 32; r++) acc[r] += t[r];
             }
             memcpy(y + (size_t)ti * 32, acc, sizeof acc);

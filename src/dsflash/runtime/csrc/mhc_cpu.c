@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 
 static void rows(float *m, int hc, float eps) {
@@ -93,6 +94,12 @@ void mhc_mixes(const float *x, int64_t T, int hc, int d, const float *fn, const 
     free(rs);
 }
 
+/* out = g * (x / sqrt(mean(x^2) + eps)), as RMSNorm rounds it but for the order of the mean's sum; out may be x */
+static void norm_row(const float *x, float *out, int d, const float *g, float eps) {
+    const float r = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+    for (int i = 0; i < d; i++) out[i] = g[i] * (x[i] * r);
+}
+
 /* A block's collapse of the hc streams and the RMSNorm after it, fused (model/mhc.py's collapse, then RMSNorm):
    per token, y = sum_j w[j] x[j] over the streams in their order, then g * y / sqrt(mean(y^2) + eps). Torch's chain
    is a dozen small ops, each paying for a dispatch whose caches the weight streams between them have evicted. The
@@ -106,9 +113,15 @@ void hc_collapse_norm(const float *x, int64_t T, int hc, int d, const float *w, 
         for (int i = 0; i < d; i++) o[i] = wt[0] * xt[i];
         for (int j = 1; j < hc; j++)
             for (int i = 0; i < d; i++) o[i] += wt[j] * xt[(int64_t)j * d + i];
-        const float r = 1.0f / sqrtf(dot(o, o, d) / (float)d + eps);
-        for (int i = 0; i < d; i++) o[i] = g[i] * (o[i] * r);
+        norm_row(o, o, d, g, eps);
     }
+}
+
+/* RMSNorm of T rows of d (model/layers.py's RMSNorm, fp32): the norms of a decode step's attention (q, kv, the
+   compressor's and indexer's), one call each instead of six small ops. */
+void rms_norm(const float *x, int64_t T, int d, const float *g, float eps, float *out) {
+#pragma omp parallel for schedule(static) if (T * d > (1 << 16))
+    for (int64_t t = 0; t < T; t++) norm_row(x + t * d, out + t * d, d, g, eps);
 }
 
 /* A block's expansion back into the streams (model/mhc.py's expand): X'_k = post_k f + sum_j comb[j][k] X_j, the
@@ -126,5 +139,43 @@ void hc_expand(const float *f, const float *x, const float *post, const float *c
                 for (int i = 0; i < d; i++) o[i] += ct[j * hc + k] * xt[(int64_t)j * d + i];
             for (int i = 0; i < d; i++) o[i] = pk * ft[i] + o[i];
         }
+    }
+}
+
+/* The MoE router for T tokens (model/moe.py's Gate): z = W x / temp over E experts, scores by `func` (0 softmax,
+   1 sigmoid, 2 sqrt(softplus), softplus linear above 20 as torch's), the k best of scores + bias picked (the bias
+   only selects), in descending order (ties: the lower id first), weights = their scores, normalised to sum 1
+   (+1e-20) where norm, times scale. About a dozen small torch operations a layer otherwise. ids: int64 [T, k]. */
+void moe_route(const float *x, int64_t T, int d, const float *W, const float *bias, int E, float temp, int func, int k,
+               int norm, float scale, float *wts, int64_t *ids) {
+#pragma omp parallel for schedule(static) if (T * E * d > (1 << 20))
+    for (int64_t t = 0; t < T; t++) {
+        float s[E], sel[E];
+        const float *xt = x + t * d;
+        for (int e = 0; e < E; e++) s[e] = dot(xt, W + (int64_t)e * d, d) / temp;
+        if (func == 0) {
+            float mx = s[0], sum = 0.0f;
+            for (int e = 1; e < E; e++) mx = fmaxf(mx, s[e]);
+            for (int e = 0; e < E; e++) sum += (s[e] = expf(s[e] - mx));
+            for (int e = 0; e < E; e++) s[e] /= sum;
+        } else {
+            for (int e = 0; e < E; e++)
+                s[e] = func == 1 ? 1.0f / (1.0f + expf(-s[e])) : sqrtf(s[e] > 20.0f ? s[e] : log1pf(expf(s[e])));
+        }
+        for (int e = 0; e < E; e++) sel[e] = s[e] + bias[e];
+        float *w = wts + t * k, total = 0.0f;
+        int64_t *id = ids + t * k;
+        unsigned char taken[E];
+        memset(taken, 0, sizeof taken);
+        for (int j = 0; j < k; j++) { /* k is small (6-8): selection by repeated maximum */
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || sel[e] > sel[best])) best = e;
+            taken[best] = 1;
+            id[j] = best;
+            w[j] = s[best];
+            total += s[best];
+        }
+        for (int j = 0; j < k; j++) w[j] = (norm && k > 1 ? w[j] / (total + 1e-20f) : w[j]) * scale;
     }
 }
