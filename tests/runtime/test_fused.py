@@ -32,8 +32,9 @@ def _run(runner, ids: list[int], steps: int) -> list[torch.Tensor]:
 
 
 def test_engine_with_fused_kernels_is_the_engine_without(tmp_path):
-    """tiny_a at TP 1: every hook is filled on the CPU (the shared expert's where its weights are FP8), and a prefill
-    plus greedy decode steps give the logits of the same engine with the hooks emptied, to float32 noise."""
+    """tiny_a at TP 1: every hook is filled on the CPU (the shared expert's where its weights are FP8, the rotary
+    embeddings' too), and a prefill plus greedy decode steps give the logits of the same engine with the hooks
+    emptied, to float32 noise."""
     if native.lib() is None:
         pytest.skip("no C compiler: the hooks stay empty")
     files = open_dir(ROOT / "tiny_a" / "model")
@@ -48,12 +49,16 @@ def test_engine_with_fused_kernels_is_the_engine_without(tmp_path):
                 if isinstance(m, cls):
                     filled[m] = {a: getattr(m, a) for a in attrs}
         assert all(v is not None for hooks in filled.values() for v in hooks.values())
+        ropes = list(model.ropes.values())
+        assert all(r.fused is not None for r in ropes)
         assert any(isinstance(m, SharedExpert) for m in filled)
         ids = files.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)[:40]
         fused = _run(runner, ids, 6)
         for m, hooks in filled.items():
             for a in hooks:
                 setattr(m, a, None)
+        for r in ropes:
+            r.fused = None
         plain = _run(runner, ids, 6)
         for f, p in zip(fused, plain, strict=True):
             torch.testing.assert_close(f, p, atol=1e-4, rtol=1e-4)

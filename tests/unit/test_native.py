@@ -396,3 +396,25 @@ def test_fused_norm_and_router_are_the_models(kernels):
         torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-7)
     assert native.moe_route(x, gate.weight, gate.bias, 1.0, "relu", 6, True, 1.0) is None
     assert native.rms_norm(x.bfloat16(), norm.weight, norm.eps) is None
+
+
+def test_fused_rope_is_the_models(kernels):
+    """The rotary embedding as one C call: the untouched channels copied exactly, the rotated ones equal to float32
+    rounding, forwards and inverse, with heads and without, several positions and batch rows; a position count
+    that does not match x's is left to torch."""
+    from dsflash.model.layers import Rope
+
+    rope = Rope(64, 160000.0, 65536, 16.0, 32.0, 1.0)
+    g = torch.Generator().manual_seed(10)
+    for shape in ((1, 1, 8, 512), (2, 5, 512), (1, 7, 3, 128)):
+        x = torch.randn(*shape, generator=g) * 2
+        cis = rope.cis(torch.arange(100, 100 + shape[1]))
+        for inverse in (False, True):
+            got = native.rope_rotate(x, cis, 64, inverse)
+            if kernels == "none":
+                assert got is None
+                continue
+            want = rope.rotate(x, cis, inverse)
+            assert torch.equal(got[..., :-64], want[..., :-64])
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert native.rope_rotate(x, rope.cis(torch.arange(2)), 64, False) is None

@@ -136,6 +136,7 @@ class Rope:
             freqs = freqs / factor * (1 - smooth) + freqs * smooth
         self.dim = dim
         self.freqs = freqs
+        self.fused = None  # a runtime's kernel of rotate: (x, cis, dim, inverse) -> the same, or None
 
     def cis(self, positions: torch.Tensor) -> torch.Tensor:
         """Unit complex rotations [n, dim/2] for integer positions [n]."""
@@ -144,6 +145,9 @@ class Rope:
 
     def rotate(self, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate the last `dim` channels of x [b, s, (h,) d] by cis [s, dim/2]; returns a new tensor."""
+        y = self.fused(x, cis, self.dim, inverse) if self.fused is not None else None
+        if y is not None:
+            return y
         head, tail = x[..., : -self.dim], x[..., -self.dim :]
         z = torch.view_as_complex(tail.float().unflatten(-1, (-1, 2)).contiguous())
         c = cis.conj() if inverse else cis

@@ -25,7 +25,7 @@ def fill(model: torch.nn.Module, on_gpu: bool) -> None:
     """Every block's Sinkhorn as one kernel (Triton on a GPU, C on the CPU), the torch version where that is
     unavailable: same math, a fraction of the launches (it was about a quarter of a small model's decode step). On
     the CPU also: decode's mixing weights (mhc.mixes), the collapse with the norm after it, the expansion, the
-    shared expert's FFN, every RMSNorm and the MoE router, one C call each."""
+    shared expert's FFN, every RMSNorm, the MoE router and the rotary embeddings, one C call each."""
     if on_gpu:
         from dsflash.runtime import triton_mhc
 
@@ -44,6 +44,9 @@ def fill(model: torch.nn.Module, on_gpu: bool) -> None:
         # embedded model's), slower beyond
         return native.mhc_mixes(x, *args) if x.numel() <= FUSED_MIXES_MAX else None
 
+    if not on_gpu:
+        for rope in getattr(model, "ropes", {}).values():
+            rope.fused = native.rope_rotate
     for m in model.modules():
         if isinstance(m, Block):
             m.sinkhorn = sinkhorn

@@ -93,6 +93,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.hc_expand.argtypes = [p, p, p, p, ctypes.c_int64, i, i, p]
     lib.rms_norm.argtypes = [p, ctypes.c_int64, i, p, f, p]
     lib.moe_route.argtypes = [p, ctypes.c_int64, i, p, p, i, f, i, i, i, f, p, p]
+    lib.rope_rotate.argtypes = [p, ctypes.c_int64, i, i, p, ctypes.c_int64, ctypes.c_int64, i, p]
     return lib
 
 
@@ -357,6 +358,22 @@ def moe_route(
     kern.moe_route(xf.data_ptr(), t, d, wf.data_ptr(), bf.data_ptr(), e, temp, ROUTE_FUNCS[func], k, int(norm), scale,
                    weights.data_ptr(), ids.data_ptr())  # fmt: skip
     return weights, ids
+
+
+def rope_rotate(x: torch.Tensor, cis: torch.Tensor, dim: int, inverse: bool) -> torch.Tensor | None:
+    """model.layers.Rope.rotate fused: x [b, s, (h,) width] fp32, cis complex64 [s, dim / 2] -> a new fp32 tensor,
+    equal to fp32 rounding; None without kernels, off the CPU or for another dtype."""
+    k = lib()
+    if k is None or x.device.type != "cpu" or x.dtype != torch.float32 or cis.dtype != torch.complex64:
+        return None
+    if x.dim() < 3 or cis.shape[0] != x.shape[1] or cis.shape[-1] * 2 != dim:
+        return None
+    xf, c = x.contiguous(), torch.view_as_real(cis.contiguous()).contiguous()  # named: see hc_collapse_norm
+    out = torch.empty(x.shape, dtype=torch.float32)
+    per = xf[0, 0].numel() // x.shape[-1]  # rows (heads) sharing one position
+    k.rope_rotate(xf.data_ptr(), xf.numel() // x.shape[-1], x.shape[-1], dim, c.data_ptr(), per, x.shape[1],
+                  int(inverse), out.data_ptr())  # fmt: skip
+    return out
 
 
 def hc_expand(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:
