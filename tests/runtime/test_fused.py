@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsflash.model.block import Block
+from dsflash.model.engram import Engram
 from dsflash.model.layers import RMSNorm
 from dsflash.model.moe import Gate, SharedExpert
 from dsflash.runtime import native
@@ -18,6 +19,7 @@ HOOKS = {
     SharedExpert: ("fused",),
     RMSNorm: ("fused",),
     Gate: ("fused",),
+    Engram: ("fused",),
 }
 
 

@@ -418,3 +418,28 @@ def test_fused_rope_is_the_models(kernels):
             assert torch.equal(got[..., :-64], want[..., :-64])
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert native.rope_rotate(x, rope.cis(torch.arange(2)), 64, False) is None
+
+
+def test_fused_engram_write_is_the_models(kernels):
+    """Engram's gated write after its wkv product as one C call equals Engram.forward's torch math to float32
+    rounding, for a decode token and a chunk, gates on both sides of 0.5 (signed square roots)."""
+    from dsflash.model.engram import Engram
+
+    g = torch.Generator().manual_seed(11)
+    for t, hc, d in ((1, 4, 512), (9, 2, 96)):
+        x = torch.randn(1, t, hc, d, generator=g)
+        kv = torch.randn(1, t, (hc + 1) * d, generator=g)
+        e = Engram.__new__(Engram)
+        torch.nn.Module.__init__(e)
+        e.dim, e.hc, e.eps, e.fused = d, hc, 1e-20, None
+        e.embed, e.wkv = (lambda ids: ids), (lambda rows, kv=kv: kv)  # the looked-up rows' product, given
+        e.q_weight, e.k_weight = torch.randn(hc, d, generator=g), torch.randn(hc, d, generator=g)
+        want = e(x, torch.zeros(1, t, 1, 1))
+        e.fused = native.engram_gate
+        got = e(x, torch.zeros(1, t, 1, 1))
+        if kernels == "none":
+            assert native.engram_gate(x, kv, e.q_weight, e.k_weight, 1e-20) is None
+            return
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        gate = (got - x)[..., 0] / kv[..., hc * d : hc * d + 1]
+        assert (gate < 0.5).any() and (gate > 0.5).any()

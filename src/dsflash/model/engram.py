@@ -140,10 +140,14 @@ class Engram(nn.Module):
         self.wkv = Linear(cfg.engram_n_cols * cfg.engram_head_dim, d * (hc + 1))
         self.q_weight = _param(hc, d)
         self.k_weight = _param(hc, d)
+        self.fused = None  # a runtime's kernel of the gated write: (x, kv, q_weight, k_weight, eps) -> out, or None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [b, s, hc, d], ids [b, s, n_cols] -> x + gate * value, [b, s, hc, d]"""
         kv = self.wkv(self.embed(ids).flatten(-2))
+        out = self.fused(x, kv, self.q_weight, self.k_weight, self.eps) if self.fused is not None else None
+        if out is not None:
+            return out.to(x.dtype)
         key, value = kv.split([self.hc * self.dim, self.dim], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.dim))
         h = x.float()

@@ -12,6 +12,7 @@ import torch
 
 from dsflash.model import mhc
 from dsflash.model.block import Block
+from dsflash.model.engram import Engram
 from dsflash.model.layers import RMSNorm
 from dsflash.model.moe import Gate, SharedExpert
 from dsflash.runtime import native
@@ -25,7 +26,8 @@ def fill(model: torch.nn.Module, on_gpu: bool) -> None:
     """Every block's Sinkhorn as one kernel (Triton on a GPU, C on the CPU), the torch version where that is
     unavailable: same math, a fraction of the launches (it was about a quarter of a small model's decode step). On
     the CPU also: decode's mixing weights (mhc.mixes), the collapse with the norm after it, the expansion, the
-    shared expert's FFN, every RMSNorm, the MoE router and the rotary embeddings, one C call each."""
+    shared expert's FFN, every RMSNorm, the MoE router, the rotary embeddings and Engram's gated write, one C call
+    each."""
     if on_gpu:
         from dsflash.runtime import triton_mhc
 
@@ -60,6 +62,8 @@ def fill(model: torch.nn.Module, on_gpu: bool) -> None:
             m.fused = native.rms_norm
         elif isinstance(m, Gate) and not on_gpu:
             m.fused = _route
+        elif isinstance(m, Engram) and not on_gpu:
+            m.fused = native.engram_gate
 
 
 def _ffn(m: SharedExpert):

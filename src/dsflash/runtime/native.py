@@ -94,6 +94,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.rms_norm.argtypes = [p, ctypes.c_int64, i, p, f, p]
     lib.moe_route.argtypes = [p, ctypes.c_int64, i, p, p, i, f, i, i, i, f, p, p]
     lib.rope_rotate.argtypes = [p, ctypes.c_int64, i, i, p, ctypes.c_int64, ctypes.c_int64, i, p]
+    lib.engram_gate.argtypes = [p, p, ctypes.c_int64, i, i, p, p, f, f, p]
     return lib
 
 
@@ -373,6 +374,21 @@ def rope_rotate(x: torch.Tensor, cis: torch.Tensor, dim: int, inverse: bool) -> 
     per = xf[0, 0].numel() // x.shape[-1]  # rows (heads) sharing one position
     k.rope_rotate(xf.data_ptr(), xf.numel() // x.shape[-1], x.shape[-1], dim, c.data_ptr(), per, x.shape[1],
                   int(inverse), out.data_ptr())  # fmt: skip
+    return out
+
+
+def engram_gate(x: torch.Tensor, kv: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, eps: float):
+    """model.engram.Engram's gated write after its wkv product, fused: x [..., hc, d] fp32, kv [..., (hc + 1) d]
+    (the keys, then the value) -> fp32 [..., hc, d], equal to fp32 rounding; None without kernels, off the CPU or for
+    another dtype."""
+    k = lib()
+    if k is None or x.device.type != "cpu" or x.dtype != torch.float32 or kv.dtype != torch.float32:
+        return None
+    hc, d = x.shape[-2:]
+    xf, kf, q, w = x.contiguous(), kv.contiguous(), _f32(qw), _f32(kw)  # named: see hc_collapse_norm
+    out = torch.empty(x.shape, dtype=torch.float32)
+    k.engram_gate(xf.data_ptr(), kf.data_ptr(), xf.numel() // (hc * d), hc, d, q.data_ptr(), w.data_ptr(), eps,
+                  d**-0.5, out.data_ptr())  # fmt: skip
     return out
 
 

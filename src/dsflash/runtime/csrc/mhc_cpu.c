@@ -199,3 +199,25 @@ void rope_rotate(const float *x, int64_t rows, int width, int dim, const float *
         }
     }
 }
+
+/* Engram's gated write into the streams (model/engram.py after its wkv product), T tokens: kv [T, (hc + 1) d] holds
+   hc keys then the value; per stream j, g = sigmoid(signed sqrt of (sum_i x_j[i] (qw_j[i] kw_j[i]) k_j[i]) / (rms(x_j)
+   rms(k_j)) * scale) and out_j = x_j + g v. About fifteen small torch operations a call otherwise. */
+void engram_gate(const float *x, const float *kv, int64_t T, int hc, int d, const float *qw, const float *kw,
+                 float eps, float scale, float *out) {
+#pragma omp parallel for schedule(static) if (T > 4)
+    for (int64_t t = 0; t < T; t++) {
+        const float *v = kv + (t * (hc + 1) + hc) * d;
+        for (int j = 0; j < hc; j++) {
+            const float *h = x + (t * hc + j) * d, *k = kv + (t * (hc + 1) + j) * d;
+            const float *q = qw + (int64_t)j * d, *kk = kw + (int64_t)j * d;
+            float s = 0.0f;
+            for (int i = 0; i < d; i++) s += h[i] * (q[i] * kk[i]) * k[i];
+            const float rstd = (1.0f / sqrtf(dot(h, h, d) / (float)d + eps)) * (1.0f / sqrtf(dot(k, k, d) / (float)d + eps));
+            const float z = s * rstd * scale, a = sqrtf(fmaxf(fabsf(z), 1e-6f));
+            const float g = 1.0f / (1.0f + expf(-copysignf(a, z)));
+            float *o = out + (t * hc + j) * d;
+            for (int i = 0; i < d; i++) o[i] = h[i] + g * v[i];
+        }
+    }
+}
