@@ -382,7 +382,7 @@ def test_fused_norm_and_router_are_the_models(kernels):
     torch.nn.Module.__init__(gate)
     gate.weight = torch.nn.Parameter(torch.randn(64, 96, generator=g) * 0.1, requires_grad=False)
     gate.bias = torch.nn.Parameter(torch.randn(64, generator=g) * 0.05, requires_grad=False)
-    gate.temp, gate.route_scale = 1.3, 1.5
+    gate.temp, gate.route_scale, gate.fused = 1.3, 1.5, None
     if kernels == "none":
         assert native.rms_norm(x, norm.weight, norm.eps) is None
         assert native.moe_route(x, gate.weight, gate.bias, 1.0, "softmax", 6, True, 1.0) is None

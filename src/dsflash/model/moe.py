@@ -21,8 +21,7 @@ class Gate(nn.Module):
         self.bias = _param(spec.n_experts)
         if cfg.vision_config is not None and not spec.is_dspark:
             self.bias_vl = _param(spec.n_experts)  # image-span routing bias; loaded, unused for text
-
-    fused = None  # a runtime's kernel of forward: (gate, x) -> the same, or None where it does not apply
+        self.fused = None  # a runtime's kernel of forward: (gate, x) -> the same, or None where it does not apply
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [t, d] -> (weights fp32 [t, k], ids [t, k]); the bias picks experts but never scales them."""

@@ -316,11 +316,27 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous()
 
 
+def _streams(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, torch.Tensor]:
+    """hc residual streams x [..., hc, d] as the kernels read them: (x contiguous, tokens, hc, d, an fp32 output of
+    x's shape)."""
+    hc, d = x.shape[-2:]
+    xf = x.contiguous()
+    return xf, xf.numel() // (hc * d), hc, d, torch.empty(x.shape, dtype=torch.float32)
+
+
+def _host_lib(*fp32: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels where every tensor given is an fp32 host tensor (a fused operation's activations), else None."""
+    k = lib()
+    if k is None or any(t.device.type != "cpu" or t.dtype != torch.float32 for t in fp32):
+        return None
+    return k
+
+
 def hc_collapse_norm(x: torch.Tensor, weights: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm(gamma, eps) of model.mhc.collapse(x, weights), fused: x [..., hc, d] fp32, weights [..., hc] -> fp32
     [..., d], equal to fp32 rounding; None without kernels, off the CPU or for another dtype."""
-    k = lib()
-    if k is None or x.device.type != "cpu" or x.dtype != torch.float32:
+    k = _host_lib(x)
+    if k is None:
         return None
     hc, d = x.shape[-2:]
     xf, w, g = x.contiguous(), _f32(weights), _f32(gamma)  # named: a temporary's pointer would dangle in the call
@@ -332,8 +348,8 @@ def hc_collapse_norm(x: torch.Tensor, weights: torch.Tensor, gamma: torch.Tensor
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor | None:
     """model.layers.RMSNorm fused: x [..., d] fp32 -> fp32, equal to fp32 rounding; None without kernels, off the
     CPU or for another dtype."""
-    k = lib()
-    if k is None or x.device.type != "cpu" or x.dtype != torch.float32:
+    k = _host_lib(x)
+    if k is None:
         return None
     xf, g = x.contiguous(), _f32(gamma)  # named: see hc_collapse_norm
     out = torch.empty(x.shape, dtype=torch.float32)
@@ -364,8 +380,8 @@ def moe_route(
 def rope_rotate(x: torch.Tensor, cis: torch.Tensor, dim: int, inverse: bool) -> torch.Tensor | None:
     """model.layers.Rope.rotate fused: x [b, s, (h,) width] fp32, cis complex64 [s, dim / 2] -> a new fp32 tensor,
     equal to fp32 rounding; None without kernels, off the CPU or for another dtype."""
-    k = lib()
-    if k is None or x.device.type != "cpu" or x.dtype != torch.float32 or cis.dtype != torch.complex64:
+    k = _host_lib(x)
+    if k is None or cis.dtype != torch.complex64:
         return None
     if x.dim() < 3 or cis.shape[0] != x.shape[1] or cis.shape[-1] * 2 != dim:
         return None
@@ -381,27 +397,22 @@ def engram_gate(x: torch.Tensor, kv: torch.Tensor, qw: torch.Tensor, kw: torch.T
     """model.engram.Engram's gated write after its wkv product, fused: x [..., hc, d] fp32, kv [..., (hc + 1) d]
     (the keys, then the value) -> fp32 [..., hc, d], equal to fp32 rounding; None without kernels, off the CPU or for
     another dtype."""
-    k = lib()
-    if k is None or x.device.type != "cpu" or x.dtype != torch.float32 or kv.dtype != torch.float32:
+    k = _host_lib(x, kv)
+    if k is None:
         return None
-    hc, d = x.shape[-2:]
-    xf, kf, q, w = x.contiguous(), kv.contiguous(), _f32(qw), _f32(kw)  # named: see hc_collapse_norm
-    out = torch.empty(x.shape, dtype=torch.float32)
-    k.engram_gate(xf.data_ptr(), kf.data_ptr(), xf.numel() // (hc * d), hc, d, q.data_ptr(), w.data_ptr(), eps,
-                  d**-0.5, out.data_ptr())  # fmt: skip
+    (xf, t, hc, d, out), kf, q, w = _streams(x), kv.contiguous(), _f32(qw), _f32(kw)  # named: see hc_collapse_norm
+    k.engram_gate(xf.data_ptr(), kf.data_ptr(), t, hc, d, q.data_ptr(), w.data_ptr(), eps, d**-0.5, out.data_ptr())
     return out
 
 
 def hc_expand(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor | None:
     """model.mhc.expand fused: f [..., d], x [..., hc, d] fp32 -> fp32 [..., hc, d], the same sums in the same order;
     None without kernels, off the CPU or for another dtype."""
-    k = lib()
-    if k is None or x.device.type != "cpu" or x.dtype != torch.float32 or f.dtype != torch.float32:
+    k = _host_lib(x, f)
+    if k is None:
         return None
-    hc, d = x.shape[-2:]
-    xf, ff, p, c = x.contiguous(), f.contiguous(), _f32(post), _f32(comb)  # named: see hc_collapse_norm
-    out = torch.empty(x.shape, dtype=torch.float32)
-    k.hc_expand(ff.data_ptr(), xf.data_ptr(), p.data_ptr(), c.data_ptr(), xf.numel() // (hc * d), hc, d, out.data_ptr())
+    (xf, t, hc, d, out), ff, p, c = _streams(x), f.contiguous(), _f32(post), _f32(comb)  # named: see hc_collapse_norm
+    k.hc_expand(ff.data_ptr(), xf.data_ptr(), p.data_ptr(), c.data_ptr(), t, hc, d, out.data_ptr())
     return out
 
 
