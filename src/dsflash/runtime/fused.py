@@ -46,23 +46,25 @@ def fill(model: torch.nn.Module, on_gpu: bool) -> None:
         # embedded model's), slower beyond
         return native.mhc_mixes(x, *args) if x.numel() <= FUSED_MIXES_MAX else None
 
-    if not on_gpu:
-        for rope in getattr(model, "ropes", {}).values():
-            rope.fused = native.rope_rotate
     for m in model.modules():
         if isinstance(m, Block):
             m.sinkhorn = sinkhorn
-            if not on_gpu:
-                m.fused_mixes = mixes
-                m.fused_collapse_norm = native.hc_collapse_norm
-                m.fused_expand = native.hc_expand
-        elif isinstance(m, SharedExpert) and not on_gpu:
+    if on_gpu:
+        return
+    for rope in getattr(model, "ropes", {}).values():
+        rope.fused = native.rope_rotate
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.fused_mixes = mixes
+            m.fused_collapse_norm = native.hc_collapse_norm
+            m.fused_expand = native.hc_expand
+        elif isinstance(m, SharedExpert):
             m.fused = _ffn(m)
-        elif isinstance(m, RMSNorm) and not on_gpu:
+        elif isinstance(m, RMSNorm):
             m.fused = native.rms_norm
-        elif isinstance(m, Gate) and not on_gpu:
+        elif isinstance(m, Gate):
             m.fused = _route
-        elif isinstance(m, Engram) and not on_gpu:
+        elif isinstance(m, Engram):
             m.fused = native.engram_gate
 
 

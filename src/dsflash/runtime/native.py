@@ -365,7 +365,7 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """model.moe.Gate's routing fused: x [t, d] fp32, W [E, d] and bias [E] fp32 -> (weights fp32 [t, k], ids int64
     [t, k]), the ids in descending order of score + bias; equal to fp32 rounding. None without kernels, off the
-    CPU or for a scoring function it does not know."""  # fmt: skip
+    CPU or for a scoring function it does not know."""
     kern = lib()
     if kern is None or x.device.type != "cpu" or func not in ROUTE_FUNCS or x.dim() != 2:
         return None
