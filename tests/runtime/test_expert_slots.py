@@ -1,4 +1,5 @@
-"""CachedExperts over a real store: a copy that fails leaves no pinned slot and no slot that claims an expert."""
+"""CachedExperts over a real store: a copy that fails leaves no pinned slot and no slot that claims an expert; the
+CPU device's two ways of filling a slot (mapping the store's pages, copying them) give the store's bytes."""
 
 import os
 
@@ -12,13 +13,13 @@ from dsflash.runtime.device import CpuDevice
 from dsflash.store.build import open_store
 
 
-@pytest.fixture()
-def experts(data_dir, tmp_path):
+@pytest.fixture(params=["map", "copy"])
+def experts(data_dir, tmp_path, request):
     ckpt = Checkpoint.open(data_dir / "dsv41_tiny" / "tiny_a" / "model")
     cfg = ckpt.config
     store = open_store(ckpt, tmp_path, tp=1, fmt="bfp8_b", rebuild=True)
     layer = next(s.layer_id for s in cfg.layers() if s.n_experts)
-    cached = CachedExperts(store, CpuDevice(), 4, 0, cfg.swiglu_limit)
+    cached = CachedExperts(store, CpuDevice(slot_fill=request.param), 4, 0, cfg.swiglu_limit)
     yield cached, layer, cfg.hidden_size
     cached.close()
     store.close()
@@ -48,7 +49,7 @@ def test_large_copies_split_over_threads_arrive_whole(tmp_path):
     data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
     path = tmp_path / "store.bin"
     data.tofile(path)
-    dev = CpuDevice()
+    dev = CpuDevice(slot_fill="copy")
     slots = dev.allocate(2, 3 << 20)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -56,6 +57,50 @@ def test_large_copies_split_over_threads_arrive_whole(tmp_path):
         assert np.array_equal(slots[1, : 3 << 20], data)
         with pytest.raises(OSError, match="ended early"):
             dev.load(slots, 0, fd, 1 << 20, 3 << 20)  # runs past the end of the file
+    finally:
+        os.close(fd)
+        dev.close()
+
+
+def _backing(addr: int) -> str:
+    """What /proc/self/maps says backs the page at addr ('' for anonymous memory)."""
+    with open("/proc/self/maps") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        span, *rest = line.split(maxsplit=5)
+        lo, hi = (int(a, 16) for a in span.split("-"))
+        if lo <= addr < hi:
+            return rest[4].strip() if len(rest) == 5 else ""
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_mapped_slots_are_the_store_and_copies_get_their_memory_back(tmp_path):
+    """slot_fill map: the slot's pages are the store file's (no copy), an eviction re-maps the slot to another range,
+    and a copy into a slot that was mapped gets writable memory of its own again; the neighbouring slot is untouched
+    throughout and a range past the file's end is refused."""
+    data = np.random.default_rng(0).integers(0, 256, 5 << 16, dtype=np.uint8)
+    path = tmp_path / "store.bin"
+    data.tofile(path)
+    n = 3 << 16  # a whole number of pages: 3 x 64 KiB
+    dev = CpuDevice()
+    slots = dev.allocate(2, n)
+    slots[0].fill(7)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dev.load(slots, 1, fd, 0, n)
+        assert np.array_equal(slots[1, :n], data[:n]) and _backing(slots[1].ctypes.data) == str(path)
+        dev.load(slots, 1, fd, 2 << 16, n)  # evicted and refilled: the slot now shows the other range
+        assert np.array_equal(slots[1, :n], data[2 << 16 : (2 << 16) + n])
+        dev.slot_fill = "copy"
+        dev.load(slots, 1, fd, 1 << 16, n)
+        assert _backing(slots[1].ctypes.data) != str(path)
+        assert np.array_equal(slots[1, :n], data[1 << 16 : (1 << 16) + n])
+        slots[1, 0] ^= 1  # its own memory again: writable
+        assert (slots[0] == 7).all()
+        dev.slot_fill = "map"
+        with pytest.raises(OSError, match="ended early"):
+            dev.load(slots, 0, fd, 3 << 16, n)
     finally:
         os.close(fd)
         dev.close()

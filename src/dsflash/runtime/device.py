@@ -1,8 +1,9 @@
 """Device: where the expert slots live and how an expert's packed tiles are applied to activations.
 
-The engine only needs three things from a device: a pool of fixed-size slot buffers allocated once, a copy of a
-store range into a slot, and the expert FFN computed straight from a slot's block-float tiles (and close(), to let
-go of whatever helps it copy). CPU is below; a Tenstorrent or CUDA back end implements the same calls.
+The engine only needs three things from a device: a pool of fixed-size slot buffers allocated once, a store range
+brought into a slot (copied; on the CPU mapped where the system allows, runtime/filemap.py), and the expert FFN
+computed straight from a slot's block-float tiles (and close(), to let go of whatever helps it copy). CPU is below;
+a Tenstorrent or CUDA back end implements the same calls.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.model.experts import swiglu
-from dsflash.runtime import hugepages, native
+from dsflash.runtime import filemap, hugepages, native
 
 # a copy into a slot is split over the rank's threads above this size: one thread copying from the page cache gets
 # about half of what two get (4.2 vs 8.3 GB/s here)
@@ -153,9 +154,13 @@ class CpuDevice:
 
     name = "cpu"
 
-    def __init__(self, matmul_dtype: torch.dtype | str = torch.float32):
+    def __init__(self, matmul_dtype: torch.dtype | str = torch.float32, slot_fill: str = "map"):
+        if slot_fill not in ("map", "copy"):
+            raise ValueError(f"slot_fill is map or copy, not {slot_fill!r}")
         self.matmul_dtype = matmul_dtype
+        self.slot_fill = slot_fill
         self._read = SplitReader()
+        self._mapped: set[int] = set()  # addresses of slots whose pages are the store's (filemap)
 
     def slot_budget(self) -> int:
         return int(CPU_SLOT_SHARE * host_available())
@@ -164,12 +169,25 @@ class CpuDevice:
         """uint8 [n_slots, nbytes], page-aligned (huge pages where the host gives them: the GEMV streams the slots),
         touched once so the pool is resident from the start."""
         stride = -(-nbytes // 4096) * 4096
-        slots = hugepages.empty(n_slots * stride).reshape(n_slots, stride)
+        slots = hugepages.empty(n_slots * stride, own_mapping=self.slot_fill == "map").reshape(n_slots, stride)
         slots.fill(0)
         return slots
 
     def load(self, slots: np.ndarray, slot: int, fd: int, offset: int, nbytes: int) -> None:
-        self._read(fd, memoryview(slots[slot])[:nbytes], offset)
+        """Store bytes [offset, offset + nbytes) of fd into the slot: its pages mapped (slot_fill "map", where the
+        system and the offset allow it), else copied."""
+        row = slots[slot]
+        addr = row.ctypes.data
+        if self.slot_fill == "map":
+            if offset + nbytes > (size := os.fstat(fd).st_size):
+                raise OSError(f"expert store ended early at byte {size}")
+            self._mapped.add(addr)  # from here on the range may map the file, whatever happens below
+            if filemap.map_file(addr, filemap.page_round(nbytes), fd, offset):
+                return
+        if addr in self._mapped:  # a mapped slot, or one that failed to map: writable memory again to copy into
+            filemap.map_anon(addr, len(row))
+            self._mapped.discard(addr)
+        self._read(fd, memoryview(row)[:nbytes], offset)
 
     def close(self) -> None:
         self._read.close()

@@ -19,17 +19,21 @@ HUGE = 2 << 20
 MIN_BYTES = 4 << 20  # smaller buffers gain nothing measurable and would round up to a huge page
 
 
-def empty(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes], zero-filled, page-aligned; huge-page aligned and advised when at least MIN_BYTES."""
-    if nbytes < MIN_BYTES:
+def empty(nbytes: int, own_mapping: bool = False) -> np.ndarray:
+    """uint8 [nbytes], zero-filled, page-aligned; huge-page aligned and advised when at least MIN_BYTES.
+
+    own_mapping: always a mapping of its own, never heap memory, whatever the size (its pages may then be replaced,
+    runtime/filemap.py, without touching anything the allocator hands out again)."""
+    if nbytes < MIN_BYTES and not own_mapping:
         raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
         start = -raw.ctypes.data % PAGE
         return raw[start : start + nbytes]
-    buf = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+    huge = nbytes >= MIN_BYTES
+    buf = mmap.mmap(-1, nbytes + (HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
     raw = np.frombuffer(buf, dtype=np.uint8)  # holds the mapping for as long as any view of it lives
-    start = -raw.ctypes.data % HUGE
+    start = -raw.ctypes.data % (HUGE if huge else PAGE)
     return raw[start : start + nbytes]
 
 

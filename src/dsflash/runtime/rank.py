@@ -55,6 +55,9 @@ class EngineOptions:
     screen_head: bool | None = None
     # replace a store built for another TP degree or format (torchrun: the other hosts' first ranks build theirs)
     rebuild_store: bool = False
+    # how a CPU rank fills a slot on a miss: map (the store's page-cache pages mapped into the slot, runtime/filemap.py;
+    # copies where the system cannot map) or copy (preadv into the slot's own memory)
+    slot_fill: str = "map"
 
 
 DEFAULT_SLOTS = 4500  # the reference box's pool
@@ -149,7 +152,7 @@ class RankRuntime:
         self.model.eval()
         store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
         ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
-        device = device or CpuDevice(matmul)
+        device = device or CpuDevice(matmul, opts.slot_fill)
         self.routing_log = _routing_log(opts, tp, cfg)
         self.state = self.model.new_state(opts.max_len, device=self.device)  # before the slots take what is left
         # every rank gets the same count: the smallest budget decides (ranks of a host share its memory)
