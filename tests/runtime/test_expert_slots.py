@@ -106,6 +106,38 @@ def test_mapped_slots_are_the_store_and_copies_get_their_memory_back(tmp_path):
         dev.close()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux only")
+def test_a_kernel_that_cannot_populate_falls_back_to_copies_and_a_failed_read_is_an_error(tmp_path, monkeypatch):
+    """Without MADV_POPULATE_READ (EINVAL) the slot gets its own memory back and this and every later fill copy; a
+    read error while populating is an OSError at the miss (the caller then forgets the slot), not a later SIGBUS."""
+    import errno
+
+    from dsflash.runtime import filemap
+
+    data = np.random.default_rng(0).integers(0, 256, 4 << 16, dtype=np.uint8)
+    path = tmp_path / "store.bin"
+    data.tofile(path)
+    n = 2 << 16
+    dev = CpuDevice()
+    slots = dev.allocate(2, n)
+    fd = os.open(path, os.O_RDONLY)
+    monkeypatch.setattr(filemap, "_can_map", True)  # restored after the test
+    try:
+        monkeypatch.setattr(filemap, "_populate", lambda lib, addr, length: errno.EIO)
+        with pytest.raises(OSError, match="EIO"):
+            dev.load(slots, 0, fd, 0, n)
+        monkeypatch.setattr(filemap, "_populate", lambda lib, addr, length: errno.EINVAL)
+        dev.load(slots, 0, fd, 1 << 16, n)  # the slot that failed above is refilled, by a copy
+        dev.load(slots, 1, fd, 2 << 16, n)
+        assert not filemap._can_map  # mapping is off for the rest of the process
+        for slot, start in ((0, 1 << 16), (1, 2 << 16)):
+            assert np.array_equal(slots[slot, :n], data[start : start + n])
+            assert _backing(slots[slot].ctypes.data) != str(path)
+    finally:
+        os.close(fd)
+        dev.close()
+
+
 def test_token_indices_for_a_gpu_travel_together():
     """On a device the per-expert (token, column) indices are one transfer split per expert: same shapes, same
     order as the host's."""

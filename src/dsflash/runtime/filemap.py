@@ -22,6 +22,7 @@ _MADV_POPULATE_READ = 22  # Linux 5.14: faults the pages in and reports a failed
 _FAILED = ctypes.c_void_p(-1).value
 
 _libc = None
+_can_map = True  # off after a kernel refused MADV_POPULATE_READ
 
 
 def _lib():
@@ -48,23 +49,33 @@ def map_file(addr: int, length: int, fd: int, offset: int) -> bool:
     False where this system cannot map them (nothing was changed, or the range is already back to private memory);
     OSError where the file cannot supply them (the range then maps fd and must be refilled before it is read).
     addr, length and offset are page multiples; the caller keeps offset + length within the file's last page."""
+    global _can_map
     lib = _lib()
-    if lib is None or addr % PAGE or length % PAGE or offset % PAGE:
+    if lib is None or not _can_map or addr % PAGE or length % PAGE or offset % PAGE:
         return False
     got = lib.mmap(addr, length, mmap.PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, offset)
     if got in (None, _FAILED):
         return False  # e.g. a device file: the range keeps its old mapping
     if got != addr:  # MAP_FIXED maps there or fails; never leave a stray mapping behind
         raise OSError(f"mmap placed the slot at {got:#x}, not {addr:#x}")
-    if lib.madvise(addr, length, _MADV_POPULATE_READ) != 0:
-        err = ctypes.get_errno()
-        if err == errno.EINVAL:  # a kernel without MADV_POPULATE_READ: copy from now on
-            map_anon(addr, length)
-            global _libc
-            _libc = False
-            return False
+    err = _populate(lib, addr, length)
+    if err == errno.EINVAL:  # a kernel without MADV_POPULATE_READ: copy from now on
+        map_anon(addr, length)
+        _can_map = False
+        return False
+    if err:
         raise OSError(err, f"reading the expert store's pages into a slot: {errno.errorcode.get(err, err)}")
     return True
+
+
+def _populate(lib, addr: int, length: int) -> int:
+    """Fault the range in; 0 or the errno. A signal may interrupt the faults: they resume where they stopped."""
+    for _ in range(8):
+        if lib.madvise(addr, length, _MADV_POPULATE_READ) == 0:
+            return 0
+        if (err := ctypes.get_errno()) not in (errno.EINTR, errno.EAGAIN):
+            return err
+    return err
 
 
 def map_anon(addr: int, length: int) -> None:
