@@ -156,7 +156,7 @@ def moe_decode(
     n, tr13, tc13 = len(ids), w1.rows // 32, w1.cols // 32
     base, stride = slots.ctypes.data, slots.strides[0]
     ptrs = (ctypes.c_void_p * n)(*(base + s * stride for s in ids))
-    work = scratch(((tc13 + n * tr13) * 64,), torch.float32)
+    work = scratch(((tc13 + n * tr13) * 128,), torch.float32)
     y = torch.empty(1, w2.rows, dtype=torch.float32)
     k.bfp_moe_decode(ptrs, n, MBITS[layout.fmt], w1.offset, w3.offset, w2.offset, tr13, tc13, w2.rows // 32,
                      xs.data_ptr(), wts.data_ptr(), limit, work.data_ptr(), y.data_ptr())  # fmt: skip

@@ -114,62 +114,95 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* bfp4_b against one vector, two face rows per step. The 16 code bytes of rows r and r+1 widen to 16 lanes; the
- * LUT permute reads only an index's low 4 bits, so the low nibbles (even columns) and, after one shift, the high
- * nibbles (odd columns) decode without masking. x comes pre-split into even and odd columns (xeo: per 16-column
- * segment, 8 even values twice, then 8 odd values twice), so lanes 0-7 accumulate row r and lanes 8-15 row r+1.
- * Each face's partial sums take the rows' scales once, two table values broadcast from memory and merged (load
- * ports and a blend, where a lane permute of the face's scales competed with the decode's permutes for the one
- * shuffle port: 5-10 % faster, the same products). About half the instructions of the one-row loop above.
- * All 32 rows of a tile row accumulate at once (16 registers), so each tile is read once, whole: 15.1 -> 18-19.7
- * GB/s against two passes of 16 rows (the same operations per row in the same order: the same bits). */
-static inline void row32_bfp4(const uint8_t *tiles, int tc, const float *sc, const float *xeo, int ti,
-                              const uint8_t *next, float *y32) {
+/* a bfp4_b code (sign, 3 magnitude bits) as the bf16 bits of its integer value, twice: a 32-entry word permute's
+ * table (the permute reads 5 index bits; the fifth, the next nibble's low bit, selects the same entry) */
+static const uint16_t BFP4_BF16[32] = {
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0,
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0};
+
+/* bfp4_b tile rows against vectors, nr (1 or 2) at once: tile row t[r] (tc tiles) against xq[r] -> 32 outputs y[r];
+ * next[r]: the row stream r reads after this one (prefetched past the end; NULL: the memory that follows).
+ * 32 code bytes (four face rows) widen to 16-bit words; the word permute turns each word's low nibble, and after a
+ * shift its high nibble, into the bf16 bits of the code's integer, and a shift or a mask makes those exact fp32
+ * values: lane j of the four vectors holds face row j / 4's columns 4 (j % 4) + 0, 1, 2, 3 (x comes split into
+ * those four column classes, put_q4). One shuffle-port operation per 21 codes where the dword permutes took one
+ * per 11 (the fp32 products and sums are the same kind: exact weights, fp32 x), and eight accumulators a tile row,
+ * so two tile rows run as two memory streams: 20-21 against 16-17 GB/s from memory on 2 cores. Every row takes
+ * the same operations in the same order whichever rows run beside it, so a TP shard's rows have TP 1's bits. */
+static inline void rows_bfp4(const int nr, const uint8_t *const *t, const float *const *xq,
+                             const uint8_t *const *next, int tc, float *const *y) {
     const int tb = tile_bytes(3), fb = face_bytes(3);
-    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -0.0f, -1, -2, -3, -4, -5, -6, -7);
-    __m512 acc[16];
-#pragma GCC unroll 16
-    for (int k = 0; k < 16; k++) acc[k] = _mm512_setzero_ps();
+    const __m512i lut = _mm512_loadu_si512(BFP4_BF16);
+    const __m512i hiword = _mm512_set1_epi32((int)0xFFFF0000u), e255 = _mm512_set1_epi32(255);
+    const __m512 big = _mm512_set1_ps(0x1p126f), quarter = _mm512_set1_ps(0.25f);
+    __m512 acc[2][8];
+    for (int r = 0; r < nr; r++)
+        for (int q = 0; q < 8; q++) acc[r][q] = _mm512_setzero_ps();
     for (int tj = 0; tj < tc; tj++) {
-        const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
-        PREFETCH_TILE(ahead(t, tj, tc, tb, next), tb);
+        for (int r = 0; r < nr; r++) {
+            const uint8_t *tile = t[r] + (size_t)tj * tb;
+            PREFETCH_TILE(ahead(tile, tj, tc, tb, next[r]), tb);
 #pragma GCC unroll 4
-        for (int f = 0; f < 4; f++) {
-            const int h = f >> 1, fc = f & 1;
-            const float *xs = xeo + (size_t)(2 * tj + fc) * 32;
-            const __m512 xe = _mm512_loadu_ps(xs), xo = _mm512_loadu_ps(xs + 16);
-            const uint8_t *d = t + 64 + f * fb, *e = t + 16 * f;
-#pragma GCC unroll 8
-            for (int k = 0; k < 8; k++) {
-                const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(d + 16 * k)));
-                const __m512 lo = _mm512_permutexvar_ps(w, lut);
-                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), lut);
-                const __m512 p = _mm512_fmadd_ps(lo, xe, _mm512_mul_ps(hi, xo));
-                const __m512 sr = _mm512_mask_mov_ps(_mm512_set1_ps(sc[e[2 * k]]), 0xFF00, _mm512_set1_ps(sc[e[2 * k + 1]]));
-                acc[8 * h + k] = _mm512_fmadd_ps(p, sr, acc[8 * h + k]);
+            for (int f = 0; f < 4; f++) {
+                const float *xs = xq[r] + (size_t)(2 * tj + (f & 1)) * 64;
+                const __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
+                const __m512 x2 = _mm512_loadu_ps(xs + 32), x3 = _mm512_loadu_ps(xs + 48);
+                /* 2^(e - 127 - 2) per face row as in scales(): e << 23 is 2^(e-127) (0 for e = 0, where every code
+                 * is 0 anyway); e = 255 keeps the table's finite 2^126 */
+                const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16 * f)));
+                __m512 sf = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), quarter);
+                sf = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, e255), sf, big);
+                const uint8_t *d = tile + 64 + f * fb;
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(d + 32 * k)));
+                    const __m512i lo = _mm512_permutexvar_epi16(w, lut);
+                    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+                    __m512 p = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)), x0);
+                    p = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)), x1, p);
+                    p = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(lo, hiword)), x2, p);
+                    p = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(hi, hiword)), x3, p);
+                    const __m512i rows = _mm512_setr_epi32(4 * k, 4 * k, 4 * k, 4 * k, 4 * k + 1, 4 * k + 1, 4 * k + 1,
+                                                           4 * k + 1, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2,
+                                                           4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3);
+                    const int q = 4 * (f >> 1) + k; /* rows 4q .. 4q + 3 of the tile row */
+                    acc[r][q] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(rows, sf), acc[r][q]);
+                }
             }
         }
     }
-#pragma GCC unroll 16
-    for (int k = 0; k < 16; k++) {
-        y32[2 * k] = hsum8(_mm512_castps512_ps256(acc[k]));
-        y32[2 * k + 1] = hsum8(_mm512_extractf32x8_ps(acc[k], 1));
-    }
+    for (int r = 0; r < nr; r++)
+        for (int q = 0; q < 8; q++) { /* each row's four lanes: (l0 + l1) + (l2 + l3) */
+            __m512 a = _mm512_add_ps(acc[r][q], _mm512_permute_ps(acc[r][q], 0xB1));
+            a = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4E));
+            _mm_storeu_ps(y[r] + 4 * q, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, a)));
+        }
 }
 
-static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *sc, const float *xeo, float *y, int tr0, int tr1) {
+/* tile rows [tr0, tr1) against one vector (put_q4 form), two at a time */
+static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *xq, float *y, int tr0, int tr1) {
+    const size_t rowb = (size_t)tc * tile_bytes(3);
+    const int pairs = (tr1 - tr0 + 1) / 2;
 #pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
-    for (int ti = tr0; ti < tr1; ti++) row32_bfp4(tiles, tc, sc, xeo, ti, NULL, y + ti * 32);
+    for (int pi = 0; pi < pairs; pi++) {
+        const int ti = tr0 + 2 * pi, nr = ti + 1 < tr1 ? 2 : 1;
+        const uint8_t *t[2] = {tiles + ti * rowb, tiles + (ti + 1) * rowb};
+        const uint8_t *nx[2] = {tiles + (ti + 2) * rowb, tiles + (ti + 3) * rowb}; /* this thread's next pair */
+        const float *xs[2] = {xq, xq};
+        float *ys[2] = {y + ti * 32, y + ti * 32 + 32};
+        if (nr == 2)
+            rows_bfp4(2, t, xs, nx, tc, ys);
+        else
+            rows_bfp4(1, t, xs, nx, tc, ys);
+    }
 }
 
 #endif
 
-/* 16 columns of x -> the even / odd form gemv1_bfp4 reads: 8 even values twice, then 8 odd values twice */
-static inline void split_eo(const float *x16, float *seg32) {
-    for (int j = 0; j < 8; j++) {
-        seg32[j] = seg32[8 + j] = x16[2 * j];
-        seg32[16 + j] = seg32[24 + j] = x16[2 * j + 1];
-    }
+/* 16 columns of x -> the form rows_bfp4 reads: four column classes of 16 lanes, lane j of class k = x[4 (j % 4) + k] */
+static inline void put_q4(const float *x16, float *seg64) {
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 16; j++) seg64[16 * k + j] = x16[4 * (j % 4) + k];
 }
 
 /* the portable loops: tile row ti of W against one vector x -> its 32 outputs */
@@ -204,9 +237,9 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
 #ifdef __AVX512F__
     const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
     if (nx == 1 && m == 3) {
-        float xeo[tc * 64];
-        for (int s = 0; s < 2 * tc; s++) split_eo(x + s * 16, xeo + s * 32);
-        gemv1_bfp4(tiles, tc, sc, xeo, y, tr0, tr1);
+        float xq[tc * 128];
+        for (int s = 0; s < 2 * tc; s++) put_q4(x + s * 16, xq + s * 64);
+        gemv1_bfp4(tiles, tc, xq, y, tr0, tr1);
         return;
     }
     if (nx == 1) {
@@ -247,31 +280,41 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
 #endif
 }
 
-/* Tile row ti of W against one vector, the vector in the form the format's one-vector loop reads (bfp4_b on
- * AVX-512: the even / odd split, 64 floats per 32 columns; otherwise plain). Same operations as bfp_gemv, nx = 1. */
+/* Tile rows a (against xa) and b (against xb; NULL: a alone) -> ya, yb, each vector in the form the format's
+ * one-vector loop reads (bfp4_b on AVX-512: put_q4's four column classes, 128 floats per 32 columns; otherwise
+ * plain); na / nb: what each stream reads next. The operations of bfp_gemv's nx = 1: the same bits. */
 #ifdef __AVX512F__
-#define EO_FORM(m) ((m) == 3)
-static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti,
-                         const uint8_t *next, float *y32) {
-    if (m == 3)
-        row32_bfp4(tiles, tc, sc, xv, ti, next, y32);
-    else
-        row32_avx512(tiles, tc, m, sc, xv, ti, next, y32);
+#define Q4_FORM(m) ((m) == 3)
+static inline void row_pair(int m, const float *sc, int tc, const uint8_t *a, const float *xa, const uint8_t *na,
+                            float *ya, const uint8_t *b, const float *xb, const uint8_t *nb, float *yb) {
+    if (m == 3) {
+        const uint8_t *t[2] = {a, b}, *nx[2] = {na, nb};
+        const float *xs[2] = {xa, xb};
+        float *ys[2] = {ya, yb};
+        if (b != NULL)
+            rows_bfp4(2, t, xs, nx, tc, ys);
+        else
+            rows_bfp4(1, t, xs, nx, tc, ys);
+        return;
+    }
+    row32_avx512(a, tc, m, sc, xa, 0, na, ya);
+    if (b != NULL) row32_avx512(b, tc, m, sc, xb, 0, nb, yb);
 }
 #else
-#define EO_FORM(m) 0
-static inline void row32(const uint8_t *tiles, int tc, int m, const float *sc, const float *xv, int ti,
-                         const uint8_t *next, float *y32) {
-    (void)next;
-    row32_generic(tiles, tc, m, sc, xv, ti, y32);
+#define Q4_FORM(m) 0
+static inline void row_pair(int m, const float *sc, int tc, const uint8_t *a, const float *xa, const uint8_t *na,
+                            float *ya, const uint8_t *b, const float *xb, const uint8_t *nb, float *yb) {
+    (void)na, (void)nb;
+    row32_generic(a, tc, m, sc, xa, 0, ya);
+    if (b != NULL) row32_generic(b, tc, m, sc, xb, 0, yb);
 }
 #endif
 
-/* 32 values -> the vector form row32 reads, at the place of columns [32 ti, 32 ti + 32) */
-static inline void put32(const float *v, int eo, int ti, float *vec) {
-    if (eo) {
-        split_eo(v, vec + (size_t)ti * 64);
-        split_eo(v + 16, vec + (size_t)ti * 64 + 32);
+/* 32 values -> the vector form row_pair reads, at the place of columns [32 ti, 32 ti + 32) */
+static inline void put32(const float *v, int q4, int ti, float *vec) {
+    if (q4) {
+        put_q4(v, vec + (size_t)ti * 128);
+        put_q4(v + 16, vec + (size_t)ti * 128 + 64);
     } else {
         memcpy(vec + (size_t)ti * 32, v, 32 * sizeof(float));
     }
@@ -283,27 +326,28 @@ static inline void put32(const float *v, int eo, int ti, float *vec) {
  * with swiglu(g, u) = silu(min(g, limit)) * clamp(u, -limit, limit) (no clamp where limit <= 0), as
  * model.experts.swiglu computes it. One parallel region and one barrier for the whole layer where three kernel calls
  * and a handful of tensor operations per expert went before; each product has the bits of bfp_gemv's.
- * x: [32 tc13] fp32; y: [32 tr2] fp32; work: (tc13 + n tr13) * 64 floats of scratch. */
+ * x: [32 tc13] fp32; y: [32 tr2] fp32; work: (tc13 + n tr13) * 128 floats of scratch. */
 void bfp_moe_decode(const uint8_t *const *slots, int n, int m, int64_t off1, int64_t off3, int64_t off2, int tr13,
                     int tc13, int tr2, const float *x, const float *wts, float limit, float *work, float *y) {
-    const int eo = EO_FORM(m);
-    const size_t hlen = (size_t)tr13 * (eo ? 64 : 32);
-    float *xv = work, *h = work + (size_t)tc13 * 64;
+    const int q4 = Q4_FORM(m);
+    const size_t hlen = (size_t)tr13 * (q4 ? 128 : 32);
+    float *xv = work, *h = work + (size_t)tc13 * 128;
     float sc[256];
     scales(m, sc);
-    for (int tj = 0; tj < tc13; tj++) put32(x + (size_t)tj * 32, eo, tj, xv);
+    for (int tj = 0; tj < tc13; tj++) put32(x + (size_t)tj * 32, q4, tj, xv);
     const size_t tiles = (size_t)n * tr13 * (2 * tc13 + tr2);
+    const size_t rb13 = (size_t)tc13 * tile_bytes(m), rb2 = (size_t)tr13 * tile_bytes(m);
 #pragma omp parallel if (tiles > PARALLEL_TILES)
     {
 #pragma omp for schedule(static)
         for (int it = 0; it < n * tr13; it++) {
             const int e = it / tr13, ti = it % tr13;
             float g[32], u[32], v[32];
-            /* rows read in the order w1 ti, w3 ti, then the next (expert, ti) of this thread's share */
+            /* w1 and w3 row ti together (two streams), each prefetching its successor in this thread's share */
             const int e1 = (it + 1) / tr13, ti1 = (it + 1) % tr13;
-            const size_t rb13 = (size_t)tc13 * tile_bytes(m);
-            row32(slots[e] + off1, tc13, m, sc, xv, ti, slots[e] + off3 + ti * rb13, g);
-            row32(slots[e] + off3, tc13, m, sc, xv, ti, e1 < n ? slots[e1] + off1 + ti1 * rb13 : NULL, u);
+            const uint8_t *n1 = e1 < n ? slots[e1] + off1 + ti1 * rb13 : NULL;
+            const uint8_t *n3 = e1 < n ? slots[e1] + off3 + ti1 * rb13 : NULL;
+            row_pair(m, sc, tc13, slots[e] + off1 + ti * rb13, xv, n1, g, slots[e] + off3 + ti * rb13, xv, n3, u);
             for (int r = 0; r < 32; r++) {
                 float gr = g[r], ur = u[r];
                 if (limit > 0) { /* comparisons, not fminf: a NaN stays NaN as in torch.clamp */
@@ -312,19 +356,25 @@ void bfp_moe_decode(const uint8_t *const *slots, int n, int m, int64_t off1, int
                 }
                 v[r] = gr / (1.0f + expf(-gr)) * ur * wts[e];
             }
-            put32(v, eo, ti, h + e * hlen);
+            put32(v, q4, ti, h + e * hlen);
         }
         /* the barrier: every expert's activation is complete before any w2 row reads it */
 #pragma omp for schedule(static)
         for (int ti = 0; ti < tr2; ti++) {
-            float acc[32], t[32];
-            const size_t rb2 = (size_t)tr13 * tile_bytes(m);
-            /* each expert's row ti, then the next expert's (the last: expert 0's next row) */
-            row32(slots[0] + off2, tr13, m, sc, h, ti, n > 1 ? slots[1] + off2 + ti * rb2 : NULL, acc);
-            for (int e = 1; e < n; e++) {
-                const uint8_t *nx = e + 1 < n ? slots[e + 1] + off2 + ti * rb2 : slots[0] + off2 + (ti + 1) * rb2;
-                row32(slots[e] + off2, tr13, m, sc, h + e * hlen, ti, nx, t);
-                for (int r = 0; r < 32; r++) acc[r] += t[r];
+            float acc[32], ta[32], tb[32];
+            /* experts two at a time (two streams), added in routing order; each pair prefetches the next pair's
+             * rows, the last pair experts 0 and 1's next row */
+            for (int e = 0; e < n; e += 2) {
+                const int two = e + 1 < n, last = e + 2 >= n;
+                const uint8_t *na = last ? slots[0] + off2 + (ti + 1) * rb2 : slots[e + 2] + off2 + ti * rb2;
+                const uint8_t *nb = last ? slots[n > 1 ? 1 : 0] + off2 + (ti + 1) * rb2
+                                         : slots[e + 3 < n ? e + 3 : e + 2] + off2 + ti * rb2;
+                row_pair(m, sc, tr13, slots[e] + off2 + ti * rb2, h + e * hlen, na, e == 0 ? acc : ta,
+                         two ? slots[e + 1] + off2 + ti * rb2 : NULL, h + (e + 1) * hlen, nb, tb);
+                if (e > 0)
+                    for (int r = 0; r < 32; r++) acc[r] += ta[r];
+                if (two)
+                    for (int r = 0; r < 32; r++) acc[r] += tb[r];
             }
             memcpy(y + (size_t)ti * 32, acc, sizeof acc);
         }
