@@ -108,12 +108,6 @@ static void gemv1_avx512(const uint8_t *tiles, int tc, int m, const float *sc, c
 #endif
 
 #ifdef __AVX512F__
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* a bfp4_b code (sign, 3 magnitude bits) as the bf16 bits of its integer value, twice: a 32-entry word permute's
  * table (the permute reads 5 index bits; the fifth, the next nibble's low bit, selects the same entry) */
 static const uint16_t BFP4_BF16[32] = {
