@@ -29,8 +29,15 @@ def dequant_block(weight: torch.Tensor, scale: torch.Tensor, block: int) -> torc
 
 
 def quant_block(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [O, I] -> (e4m3 [O, I], e8m0 [ceil(O/B), ceil(I/B)]) with power-of-two scales per block."""
+    """fp32 or bf16 [O, I] -> (e4m3 [O, I], e8m0 [ceil(O/B), ceil(I/B)]) with power-of-two scales per block."""
     rows, cols = w.shape
+    if rows % block == 0 and cols % block == 0:  # whole blocks: one fp32 copy, divided in place, no padding
+        blocks = w.reshape(rows // block, block, cols // block, block)
+        scale = scale_for(blocks.abs().amax(dim=(1, 3)).float().clamp_min(1e-30), E4M3_MAX)
+        x = blocks.to(torch.float32, copy=True)
+        x.div_(scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)
+        return x.to(torch.float8_e4m3fn).view(rows, cols), float_to_e8m0(scale)
+    w = w.float()
     pad = torch.zeros(-(-rows // block) * block, -(-cols // block) * block, dtype=torch.float32)
     pad[:rows, :cols] = w
     blocks = pad.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [ro, B, co, B]

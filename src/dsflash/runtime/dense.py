@@ -87,7 +87,7 @@ class Fp8Weight:
         step = block * max(1, (1 << 26) // (block * max(1, w.shape[1])))  # ~256 MB of fp32 at a time
         qs, ss = [], []
         for r in range(0, w.shape[0], step):
-            q, s = fp8.quant_block(w[r : r + step].float(), block)
+            q, s = fp8.quant_block(w[r : r + step], block)
             qs.append(q.view(torch.uint8))
             ss.append(s.float())
         return cls(torch.cat(qs).contiguous(), torch.cat(ss), block, matmul)
