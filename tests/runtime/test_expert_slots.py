@@ -138,6 +138,26 @@ def test_a_kernel_that_cannot_populate_falls_back_to_copies_and_a_failed_read_is
         dev.close()
 
 
+def test_where_nothing_can_be_mapped_slots_are_copied(tmp_path, monkeypatch):
+    """No libc mapping at all (not Linux): map mode copies, without trying to give back memory it never lent."""
+    from dsflash.runtime import filemap
+
+    data = np.random.default_rng(1).integers(0, 256, 2 << 16, dtype=np.uint8)
+    path = tmp_path / "store.bin"
+    data.tofile(path)
+    monkeypatch.setattr(filemap, "_lib", lambda: None)
+    dev = CpuDevice()
+    slots = dev.allocate(1, 1 << 16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dev.load(slots, 0, fd, 1 << 16, 1 << 16)
+        dev.load(slots, 0, fd, 0, 1 << 16)
+        assert np.array_equal(slots[0, : 1 << 16], data[: 1 << 16])
+    finally:
+        os.close(fd)
+        dev.close()
+
+
 def test_token_indices_for_a_gpu_travel_together():
     """On a device the per-expert (token, column) indices are one transfer split per expert: same shapes, same
     order as the host's."""

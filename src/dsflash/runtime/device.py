@@ -181,9 +181,12 @@ class CpuDevice:
         if self.slot_fill == "map":
             if offset + nbytes > (size := os.fstat(fd).st_size):
                 raise OSError(f"expert store ended early at byte {size}")
-            self._mapped.add(addr)  # from here on the range may map the file, whatever happens below
+            was_mapped = addr in self._mapped
+            self._mapped.add(addr)  # a read error below leaves the range mapping the file
             if filemap.map_file(addr, filemap.page_round(nbytes), fd, offset):
                 return
+            if not was_mapped:  # not mapped: the range is still the slot's own memory
+                self._mapped.discard(addr)
         if addr in self._mapped:  # a mapped slot, or one that failed to map: writable memory again to copy into
             filemap.map_anon(addr, len(row))
             self._mapped.discard(addr)
