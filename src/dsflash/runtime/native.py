@@ -385,7 +385,7 @@ def rope_rotate(x: torch.Tensor, cis: torch.Tensor, dim: int, inverse: bool) -> 
         return None
     if x.dim() < 3 or cis.shape[0] != x.shape[1] or cis.shape[-1] * 2 != dim:
         return None
-    xf, c = x.contiguous(), torch.view_as_real(cis.contiguous()).contiguous()  # named: see hc_collapse_norm
+    xf, c = x.contiguous(), torch.view_as_real(cis.contiguous())  # named: see hc_collapse_norm
     out = torch.empty(x.shape, dtype=torch.float32)
     per = xf[0, 0].numel() // x.shape[-1]  # rows (heads) sharing one position
     k.rope_rotate(xf.data_ptr(), xf.numel() // x.shape[-1], x.shape[-1], dim, c.data_ptr(), per, x.shape[1],
