@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsflash.errors import ContextTooLong, UnsupportedInput
 from dsflash.gates.compare import compare_logits, within_golden_tolerance
@@ -63,3 +64,54 @@ def test_bad_input_is_refused(case):
     model(torch.tensor([[1, 2]]), 0, state, experts)
     with pytest.raises(ValueError, match="does not continue"):
         model(torch.tensor([[1]]), 5, state, experts)
+
+
+class _NoHostReads(TorchDispatchMode):
+    """Fails on any operation that reads a tensor's value back to the host (item, tolist, bool) or whose output
+    shape depends on values (nonzero, unique, masked_select): neither can run inside a captured graph. The expert
+    back end and the Engram table lookup are the step's host stages and run with the check paused."""
+
+    FORBIDDEN = ("_local_scalar_dense", "nonzero", "unique", "masked_select", "item")
+
+    def __init__(self):
+        super().__init__()
+        self.paused, self.seen = False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and any(f in func.__name__ for f in self.FORBIDDEN):
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+    def host_stage(self, fn):
+        def run(*a, **kw):
+            self.paused = True
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.paused = False
+
+        return run
+
+
+def test_static_decode_steps(case, full, monkeypatch):
+    """Decode steps whose position is a tensor (every shape fixed, the window ring and the compressed caches read
+    whole with masks) equal the dynamic steps: across compression group ends, the window ring's wrap and the
+    indexer's top-k filling up, after a dynamic prefill and before dynamic steps that continue the sequence. The
+    step reads nothing back to the host outside its host stages (the experts, the Engram table)."""
+    model, split, back, end = case.ref.model, 5, 40, 56
+    state = model.new_state(len(case.tokens))
+    first = case.run(case.tokens[:split], 0, state)[0].numpy()
+    mode = _NoHostReads()
+    experts = mode.host_stage(case.ref.experts)
+    for layer in model.layers:
+        if hasattr(layer, "engram"):
+            monkeypatch.setattr(layer.engram.embed, "forward", mode.host_stage(layer.engram.embed.forward))
+    rows = []
+    for p in range(split, back):
+        with mode:
+            logits = model(torch.tensor([[case.tokens[p]]]), torch.tensor([p]), state, experts)
+        state.length = p + 1
+        rows.append(logits[0, -1].numpy())
+    assert mode.seen == []
+    rows += [case.run([t], p, state)[0, -1].numpy() for p, t in enumerate(case.tokens[:end]) if p >= back]
+    _assert_same(case, np.concatenate([first, np.stack(rows)]), full[:end])

@@ -10,10 +10,12 @@ import torch
 from dsflash.config import ModelConfig
 from dsflash.errors import ConfigError
 from dsflash.model import mhc
-from dsflash.model.attention import sparse_attention, window_indices
+from dsflash.model.attention import sparse_attention, static_window_rows, window_indices
+from dsflash.model.compressor import Indexer
 from dsflash.model.engram import EngramHasher, engram_primes, hash_multipliers
 from dsflash.model.layers import Rope
 from dsflash.model.moe import Gate
+from dsflash.model.parallel import TP
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +91,31 @@ def test_window_indices_cover_the_last_w_positions():
     # rows: [pos 6, 7, 8, 9 (previous) ; 10, 11, 12 (chunk)]; query at pos 10 sees 7..10 = rows 1..4
     assert idx.tolist() == [[1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6]]
     assert window_indices(0, 2, 0, 4, "cpu").tolist() == [[-1, -1, -1, 0], [-1, -1, 0, 1]]
+
+
+def test_static_window_rows_see_what_the_ring_holds():
+    ring = torch.zeros(1, 4, 2)
+    for p in range(6):  # positions 0..5 through a ring of 4
+        rows, idx = static_window_rows(ring, torch.full((1, 1, 2), float(p)), torch.tensor([p]))
+    assert rows[0, :, 0].tolist() == [4.0, 5.0, 2.0, 3.0] and idx.tolist() == [[[0, 1, 2, 3]]]
+    ring.zero_()
+    rows, idx = static_window_rows(ring, torch.ones(1, 1, 2), torch.tensor([1]))
+    assert idx.tolist() == [[[0, 1, -1, -1]]]  # slots 2 and 3 never written: positions -2 and -1
+
+
+def test_static_select_takes_what_select_takes(real_cfg):
+    """Entries the candidate blocks masked (-inf) that a query can see still fill the top-k before any entry it
+    cannot see, as the dynamic select (whose k is what is visible) takes them. (Which of two masked entries fills
+    the last place when more are visible than k is a tie in both.)"""
+    spec = next(s for s in real_cfg.layers() if s.is_index_source)
+    ix = Indexer(dataclasses.replace(real_cfg, index_topk=4), spec, TP.single())
+    s = torch.tensor([[[5.0, -torch.inf, 1.0, -torch.inf, 7.0, 9.0, 3.0, 2.0]]])
+    for n_visible in (3, 4, 6):
+        visible = torch.tensor([n_visible])
+        masked = s.masked_fill(torch.arange(8) >= n_visible, -torch.inf)
+        want = ix.select(masked[..., :n_visible], visible, n_visible * spec.ratio, offset=10)
+        got = ix.select_static(masked, visible, offset=10)
+        assert sorted(x for x in got[0, 0].tolist() if x >= 0) == sorted(x for x in want[0, 0].tolist() if x >= 0)
 
 
 def test_gate_bias_selects_but_does_not_weight(real_cfg):

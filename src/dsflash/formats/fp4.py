@@ -19,17 +19,27 @@ _MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _TIE_UP = torch.tensor([False, True, False, True, False, True, False])
 
 
+_ON_DEVICE: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(_MIDS, _TIE_UP, FP4_TABLE) on `device`, copied once: a captured CUDA graph may not copy from the host."""
+    if device not in _ON_DEVICE:
+        _ON_DEVICE[device] = (_MIDS.to(device), _TIE_UP.to(device), FP4_TABLE.to(device))
+    return _ON_DEVICE[device]
+
+
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 already scaled into [-6, 6] -> uint8 codes 0..15 (round to nearest even, sign kept)."""
     mag = x.abs().unsqueeze(-1)
-    mids, tie_up = _MIDS.to(x.device), _TIE_UP.to(x.device)
+    mids, tie_up, _ = _tables(x.device)
     code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """Nearest E2M1 value of fp32 x in [-6, 6]."""
-    return FP4_TABLE.to(x.device)[e2m1_codes(x).long()]
+    return _tables(x.device)[2][e2m1_codes(x).long()]
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from dsflash.config import LayerSpec, ModelConfig
 from dsflash.errors import ConfigError
 from dsflash.formats import fp4, fp8
-from dsflash.model.compressor import Compressor, Indexer
+from dsflash.model.compressor import Compressor, Indexer, group_range
 from dsflash.model.layers import ColumnParallelLinear, Linear, RMSNorm, Rope, RowParallelLinear, _param
 from dsflash.model.parallel import TP
 from dsflash.model.state import DecodeState, LayerState
@@ -21,9 +21,14 @@ _GATHER_BUDGET = 1 << 24
 
 @dataclass
 class Step:
-    """One forward call: positions, state, and what earlier layers published for later ones."""
+    """One forward call: positions, state, and what earlier layers published for later ones.
 
-    start_pos: int
+    A static step (start_pos None) is one token whose position is only the device tensor `positions` [1]: every
+    shape is fixed and no value travels to the host, so the same calls serve any position (a captured CUDA graph
+    replays them). It attends over the whole window ring and the whole compressed cache with masks instead of
+    slicing what is visible; the results equal the dynamic step's to float rounding."""
+
+    start_pos: int | None
     length: int
     state: DecodeState
     qat: bool = True
@@ -31,6 +36,10 @@ class Step:
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index-source layer -> [b, s, k]
     candidates: torch.Tensor | None = None  # [b, s, n_compressed] from the candidate source
     trace: dict | None = None
+
+    @property
+    def static(self) -> bool:
+        return self.start_pos is None
 
     @property
     def end(self) -> int:
@@ -57,6 +66,22 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
         denom = p.sum(dim=-1) + torch.exp(sink.float().view(1, 1, h) - top.squeeze(-1))
         out[:, i : i + step] = torch.einsum("bchk,bckd->bchd", p, rows) / denom.unsqueeze(-1)
     return out.to(q.dtype)
+
+
+def _group(step: Step, r: int) -> int | torch.Tensor:
+    """The first group a step's latents belong to (a static step's open group, complete or not)."""
+    return step.positions // r if step.static else step.start_pos // r
+
+
+def static_window_rows(ring: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token at device position pos [1]: its kv written into the ring [b, W, d], then the whole ring and which
+    slots it may attend to (those already written: the ring keeps exactly the last W positions)."""
+    b, W = kv.shape[0], ring.shape[1]
+    ring[:b].index_copy_(1, pos % W, kv.to(ring.dtype))
+    slot = torch.arange(W, device=kv.device)
+    held = pos - (pos - slot) % W  # the newest position congruent to each slot; negative: never written
+    idx = torch.where(held >= 0, slot, -1)
+    return ring[:b].to(kv.dtype), idx.view(1, 1, W).expand(b, -1, -1)
 
 
 def window_indices(start_pos: int, length: int, n_prev: int, window: int, device) -> torch.Tensor:
@@ -133,6 +158,8 @@ class Attention(nn.Module):
     def window_rows(self, kv: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         """[earlier window rows ; this chunk's kv] and each query's window indices into it."""
         ring = step.state.layers[self.spec.layer_id].window
+        if step.static:
+            return static_window_rows(ring, kv, step.positions)
         n_prev = min(self.window, step.start_pos)
         rows = torch.cat([ring_read(ring, step.start_pos, n_prev)[: kv.shape[0]].to(kv.dtype), kv], dim=1)
         ring_write(ring, kv, step.start_pos)
@@ -143,26 +170,29 @@ class Attention(nn.Module):
         """The shared compressed KV visible to this chunk, and each query's selected entries (+offset)."""
         spec, layers = self.spec, step.state.layers
         r, b = spec.ratio, x.shape[0]
-        n_visible = step.end // r
         latent = None
         if spec.is_kv_source:
-            latent = self.compressor(x, step.start_pos, layers[spec.layer_id])
+            st, c = layers[spec.layer_id], self.compressor
+            latent = c.static(x, step.positions, st) if step.static else c(x, step.start_pos, st)
         if spec.is_index_source:
             idx = self.select(x, qr, latent, step, offset)
             step.topk[spec.layer_id] = idx
         else:
             idx = step.topk[spec.topk_source]
         if latent is not None:
-            self.store_latent(latent, step.start_pos // r, layers[spec.layer_id], step.qat)
+            self.store_latent(latent, _group(step, r), layers[spec.layer_id], step.qat)
+        # a static step reads the whole cache: entries not complete yet are never selected
+        n_visible = None if step.static else step.end // r
         return layers[spec.kv_source].compressed[:b, :n_visible], idx
 
     def select(self, x, qr, latent, step: Step, offset: int) -> torch.Tensor:
         spec, ix = self.spec, self.indexer
-        if step.end // spec.ratio == 0:
+        if not step.static and step.end // spec.ratio == 0:
             return torch.empty(x.shape[0], step.length, 0, dtype=torch.long, device=x.device)
         if latent is not None:  # the indexer needs the latent before RoPE and quantization
-            ix.write_keys(latent, step.start_pos // spec.ratio, self.rope, step.state.layers[spec.layer_id], step.qat)
-        keys = step.state.layers[spec.kv_source].index_keys[: x.shape[0], : step.end // spec.ratio]
+            ix.write_keys(latent, _group(step, spec.ratio), self.rope, step.state.layers[spec.layer_id], step.qat)
+        n_keys = None if step.static else step.end // spec.ratio
+        keys = step.state.layers[spec.kv_source].index_keys[: x.shape[0], :n_keys]
         s, visible = ix.scores(x, qr, keys, step.positions, self.rope, step.qat)
         if spec.is_candidate_source:
             step.candidates = ix.candidates(s, visible)
@@ -170,24 +200,25 @@ class Attention(nn.Module):
                 step.trace["candidate_mask"] = step.candidates
         elif spec.uses_candidates:
             s = s.masked_fill(~step.candidates, -torch.inf)
-        idx = ix.select(s, visible, step.end, offset)
+        idx = ix.select_static(s, visible, offset) if step.static else ix.select(s, visible, step.end, offset)
         if step.trace is not None:
             step.trace.setdefault("index_topk", {})[spec.layer_id] = torch.where(idx >= 0, idx - offset, -1)
         return idx
 
-    def store_latent(self, latent: torch.Tensor, group0: int, st: LayerState, qat: bool) -> None:
-        r = self.spec.ratio
-        pos = r * torch.arange(group0, group0 + latent.shape[1], device=latent.device)
-        latent = self.rope.rotate(latent, self.rope.cis(pos))
+    def store_latent(self, latent: torch.Tensor, group0: int | torch.Tensor, st: LayerState, qat: bool) -> None:
+        r, groups = self.spec.ratio, group_range(group0, latent.shape[1], latent.device)
+        latent = self.rope.rotate(latent, self.rope.cis(r * groups))
         if qat:  # compressed KV: FP4 in groups of 16 with E4M3 scales
             latent = fp4.qdq(latent, 16, e4m3_scale=True)
-        st.compressed[: latent.shape[0], group0 : group0 + latent.shape[1]] = latent
+        st.compressed[: latent.shape[0]].index_copy_(1, groups, latent.to(st.compressed.dtype))
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped low-rank output projection. o [b, s, h, hd] -> [b, s, d]"""
         b, s = o.shape[:2]
         if self.groups_local * self.per_group != self.n_local:  # heads of groups held by other ranks count as 0
             full = o.new_zeros(b, s, self.groups_local * self.per_group, self.head_dim)
-            o = full.index_copy(2, self.head_slot.to(o.device), o)
+            if self.head_slot.device != o.device:  # once: a captured step may not copy from the host
+                self.head_slot = self.head_slot.to(o.device)
+            o = full.index_copy(2, self.head_slot, o)
         u = self.wo_a.grouped(o.reshape(b, s, self.groups_local, -1), self.groups_local)
         return self.wo_b(u.flatten(2))

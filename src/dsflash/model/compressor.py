@@ -13,6 +13,13 @@ from dsflash.model.parallel import TP
 from dsflash.model.state import LayerState
 
 
+def group_range(group0: int | torch.Tensor, n: int, device) -> torch.Tensor:
+    """The compressed groups group0.. [n]; a device tensor group0 [1] (a static step) is one group already."""
+    if isinstance(group0, torch.Tensor):
+        return group0
+    return torch.arange(group0, group0 + n, device=device)
+
+
 class Compressor(nn.Module):
     """Pools `ratio` consecutive tokens into one normalised latent (pre-RoPE). Only KV-source layers own one."""
 
@@ -43,6 +50,21 @@ class Compressor(nn.Module):
         pooled = (kv * score.softmax(dim=2)).sum(dim=2)
         return self.norm(pooled.to(x.dtype))
 
+    def static(self, x: torch.Tensor, pos: torch.Tensor, st: LayerState) -> torch.Tensor:
+        """One token x [b, 1, d] at device position pos [1] (attention.Step.static) -> the latent [b, 1, hd] of
+        its group pooled over the tokens seen so far: the group's final latent when pos completes it; before that
+        a value no query can select yet (its group is not visible), overwritten on the group's next token."""
+        r, b = self.ratio, x.shape[0]
+        if r == 1:
+            return self.norm(self.wkv(x))
+        slot = pos % r
+        st.pending_kv[:b].index_copy_(1, slot, self.wkv(x.float()))
+        st.pending_score[:b].index_copy_(1, slot, self.wgate(x.float()))
+        seen = (torch.arange(r, device=x.device) <= slot).view(1, r, 1)
+        score = st.pending_score[:b].masked_fill(~seen, -torch.inf)
+        pooled = (st.pending_kv[:b] * score.softmax(dim=1)).sum(dim=1, keepdim=True)
+        return self.norm(pooled.to(x.dtype))
+
 
 class Indexer(nn.Module):
     """Scores the compressed positions for every query and keeps the top `index_topk` (arch §5.5).
@@ -69,14 +91,16 @@ class Indexer(nn.Module):
             self.wk = Linear(cfg.head_dim, cfg.index_head_dim)
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
 
-    def write_keys(self, latent: torch.Tensor, group0: int, rope: Rope, st: LayerState, qat: bool) -> None:
-        """Index keys of new latents [b, n, hd] (pre-RoPE), rotated at their group's first token."""
+    def write_keys(self, latent: torch.Tensor, group0: int | torch.Tensor, rope: Rope, st: LayerState, qat: bool):
+        """Index keys of new latents [b, n, hd] (pre-RoPE), rotated at their group's first token (group0: an int,
+        or a static step's device tensor [1])."""
         r = self.spec.ratio
         k = self.k_norm(self.wk(latent))
-        k = rope.rotate(k, rope.cis(r * torch.arange(group0, group0 + k.shape[1], device=k.device)))
+        groups = group_range(group0, k.shape[1], k.device)
+        k = rope.rotate(k, rope.cis(r * groups))
         if qat:
             k = fp4.qdq(k, 32)
-        st.index_keys[: k.shape[0], group0 : group0 + k.shape[1]] = k
+        st.index_keys[: k.shape[0]].index_copy_(1, groups, k.to(st.index_keys.dtype))
 
     def scores(self, x, qr, keys, positions, rope: Rope, qat: bool) -> torch.Tensor:
         """I[b, s, t] = sum_h w_h relu(q_h . k_t); entries a query cannot see yet are -inf."""
@@ -97,6 +121,15 @@ class Indexer(nn.Module):
         """Top-k compressed positions per query, ascending; unreachable -> -1, others + offset. [b, s, k] int"""
         k = min(self.topk, end // self.spec.ratio)
         idx = s.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
+        return torch.where(idx < visible.unsqueeze(-1), idx + offset, -1)
+
+    def select_static(self, s: torch.Tensor, visible: torch.Tensor, offset: int) -> torch.Tensor:
+        """select() over the whole compressed cache [b, 1, width] with a fixed k: entries a query can see but
+        that the candidate blocks masked (-inf) still rank above the ones it cannot see, so while at most k are
+        visible every one of them is taken, as select() takes them."""
+        reach = torch.arange(s.shape[-1], device=s.device) < visible.unsqueeze(-1)
+        s = torch.where(reach, s.clamp_min(torch.finfo(s.dtype).min), -torch.inf)
+        idx = s.topk(min(self.topk, s.shape[-1]), dim=-1, sorted=False).indices.sort(dim=-1).values
         return torch.where(idx < visible.unsqueeze(-1), idx + offset, -1)
 
     def candidates(self, s: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -91,12 +91,26 @@ class EngramHasher:
         self.multipliers = torch.from_numpy(
             np.stack([hash_multipliers(lid, self.n, cfg.engram_compressed_vocab_size) for lid in cfg.engram_layer_ids])
         )  # [L, n]
+        self._device_tables: tuple = (torch.device("cpu"), self.token_map, self.multipliers, self.primes, self.offsets)
 
-    def __call__(self, tokens: torch.Tensor, start_pos: int, history: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] -> row ids [b, s, L, (n-1) * heads]; records the chunk in history [b, max_len]."""
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The tables on `device`, copied once (a captured step may not copy from the host)."""
+        if self._device_tables[0] != device:
+            tables = (self.token_map, self.multipliers, self.primes, self.offsets)
+            self._device_tables = (device, *(t.to(device) for t in tables))
+        return self._device_tables[1:]
+
+    def __call__(self, tokens: torch.Tensor, start_pos: int | torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] -> row ids [b, s, L, (n-1) * heads]; records the chunk in history [b, max_len].
+        start_pos: an int, or a static step's device tensor [1] (s = 1)."""
         b, s = tokens.shape
-        history[:b, start_pos : start_pos + s] = self.token_map.to(tokens.device)[tokens]
-        pos = torch.arange(start_pos, start_pos + s, device=tokens.device).expand(b, s)
+        token_map, multipliers, primes, offsets = self._on(tokens.device)
+        if isinstance(start_pos, torch.Tensor):
+            pos = start_pos.view(1, 1).expand(b, 1)
+            history[:b].scatter_(1, pos, token_map[tokens])
+        else:
+            history[:b, start_pos : start_pos + s] = token_map[tokens]
+            pos = torch.arange(start_pos, start_pos + s, device=tokens.device).expand(b, s)
         blocked = torch.zeros_like(pos, dtype=torch.bool)
         grams = []
         for shift in range(self.n):
@@ -104,12 +118,12 @@ class EngramHasher:
             # look-back never crosses the sequence start or a dead (image) token
             blocked = blocked | (pos < shift) | (tok == self.DEAD)
             grams.append(torch.where(blocked, self.pad, tok))
-        products = torch.stack(grams, dim=-1).unsqueeze(2) * self.multipliers.to(tokens.device)  # [b, s, L, n]
+        products = torch.stack(grams, dim=-1).unsqueeze(2) * multipliers  # [b, s, L, n]
         rolling, ids = products[..., 0], []
         for i in range(1, self.n):
             rolling = torch.bitwise_xor(rolling, products[..., i])
-            ids.append(rolling.unsqueeze(-1) % self.primes[:, i - 1].to(tokens.device))
-        return torch.cat(ids, dim=-1) + self.offsets.to(tokens.device)
+            ids.append(rolling.unsqueeze(-1) % primes[:, i - 1])
+        return torch.cat(ids, dim=-1) + offsets
 
 
 class EngramTable(nn.Module):

@@ -140,7 +140,9 @@ class Rope:
 
     def cis(self, positions: torch.Tensor) -> torch.Tensor:
         """Unit complex rotations [n, dim/2] for integer positions [n]."""
-        angles = torch.outer(positions.to(torch.float32), self.freqs.to(positions.device))
+        if self.freqs.device != positions.device:  # once: a captured step may not copy from the host
+            self.freqs = self.freqs.to(positions.device)
+        angles = torch.outer(positions.to(torch.float32), self.freqs)
         return torch.polar(torch.ones_like(angles), angles)
 
     def rotate(self, x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:

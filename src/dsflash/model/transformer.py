@@ -61,12 +61,19 @@ class Transformer(nn.Module):
         last_only: bool = False,
     ):
         """tokens [b, s] at positions start_pos.. -> fp32 logits [b, s, V] ([b, 1, V] with last_only: generation
-        needs only the next token, and the head is the largest matrix) and DSpark taps [b, s, n*d]."""
-        self.check_input(tokens, start_pos, state)
+        needs only the next token, and the head is the largest matrix) and DSpark taps [b, s, n*d].
+
+        start_pos a device tensor [1]: one token as a static step (attention.Step), nothing read back to the host;
+        the caller checks the input and advances state.length (a captured graph replays the same calls)."""
         b, s = tokens.shape
-        step = Step(
-            start_pos, s, state, self.qat, torch.arange(start_pos, start_pos + s, device=tokens.device), trace=trace
-        )
+        if isinstance(start_pos, torch.Tensor):
+            if s != 1:
+                raise UnsupportedInput(f"a static step takes one token, got {s}")
+            step = Step(None, 1, state, self.qat, start_pos.view(1), trace=trace)
+        else:
+            self.check_input(tokens, start_pos, state)
+            positions = torch.arange(start_pos, start_pos + s, device=tokens.device)
+            step = Step(start_pos, s, state, self.qat, positions, trace=trace)
         ids = self.hasher(tokens, start_pos, state.engram_history) if self.hasher else None
         if trace is not None and ids is not None:
             trace["engram_hash_ids"] = ids
@@ -86,7 +93,8 @@ class Transformer(nn.Module):
         if trace is not None:
             trace["final_hidden"] = y
         logits = self.head(self.norm(y[:, -1:] if last_only else y))
-        state.length = step.end
+        if not step.static:
+            state.length = step.end
         if taps:
             return logits, torch.cat(tapped, dim=-1) if tapped else None
         return logits
