@@ -153,6 +153,95 @@ def test_kernel_refuses_what_it_cannot_read(kernels):
         tl_.linear(torch.zeros(1, 256, device=DEV), fp8_bytes, "fp8", scale=torch.ones(1, 1, device=DEV))
 
 
+def _tiles(fmt: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.from_numpy(bfp.pack(torch.randn(rows, cols, generator=g), fmt))
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), [("bfp8_b", torch.int64), ("bfp4_b", torch.int32)])
+def test_slot_form_reads_the_slot_the_tensor_holds_at_launch(kernels, fmt, dtype):
+    """A matrix named by (pool, slot tensor, offset) is the plain kernel on that slot's bytes, bit for bit; writing
+    another slot number into the same tensor, as a graph replay would, makes the next launch read that slot."""
+    tl_, _ = kernels
+    shapes = [(64, 64), (32, 96)]
+    sizes = [bfp.packed_size(sh, fmt) for sh in shapes]
+    offsets = [0, -(-sizes[0] // 256) * 256]
+    pool = torch.zeros(3, offsets[1] + sizes[1] + 48, dtype=torch.uint8)  # a stride that is no power of two
+    for slot in range(3):
+        for i, (sh, off, nb) in enumerate(zip(shapes, offsets, sizes)):
+            pool[slot, off : off + nb] = _tiles(fmt, *sh, seed=10 * slot + i)
+    pool = pool.to(DEV)
+    table = torch.tensor([0, 2, 1], dtype=dtype, device=DEV)
+    slot = table[1:2]  # an entry of a table: its address is not the tensor's first element
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(3, sh[1], generator=g).to(DEV) for sh in shapes]
+    seen = []
+    for now in (2, 0):
+        table[1] = now
+        for sh, off, nb, x in zip(shapes, offsets, sizes, xs):
+            got = tl_.linear(x, pool, fmt, sh, slot=slot, offset=off)
+            assert torch.equal(got, tl_.linear(x, pool[now, off : off + nb], fmt, sh))
+            seen.append(got)
+    assert not torch.equal(seen[0], seen[2]) and not torch.equal(seen[1], seen[3])
+
+
+def test_experts_by_table_is_the_sum_of_experts(kernels):
+    """CudaDevice.experts_by_table reads its slots from a device table: the same sum, bit for bit, as experts() with
+    the slots as Python ints, before and after the table is rewritten in place."""
+    from dsflash.runtime.device import PackedMatrix, ShardLayout
+
+    _, cuda = kernels
+    fmt, d, inter = "bfp8_b", 64, 32
+    shapes = [(inter, d), (inter, d), (d, inter)]
+    mats, off = [], 0
+    for rows, cols in shapes:
+        nb = bfp.packed_size((rows, cols), fmt)
+        mats.append(PackedMatrix(off, nb, rows, cols))
+        off += nb
+    layout = ShardLayout(fmt, *mats, nbytes=off)
+    dev = cuda.CudaDevice(DEV)
+    slots = dev.allocate(3, layout.nbytes)
+    for slot in range(3):
+        for i, (m, sh) in enumerate(zip(mats, shapes)):
+            slots[slot, m.offset : m.offset + m.nbytes] = _tiles(fmt, *sh, seed=10 * slot + i).to(DEV)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, d, generator=g).to(DEV)
+    w = torch.rand(3, 2, generator=g).to(DEV)
+    table = torch.tensor([2, 0], device=DEV)
+    try:
+        for ids in ([2, 0], [1, 2]):
+            table.copy_(torch.tensor(ids))
+            got = dev.experts_by_table(slots, table, layout, x, w, 1.5)
+            assert got.dtype == torch.float32 and got.shape == x.shape
+            assert torch.equal(got, dev.experts(slots, ids, layout, x, w, 1.5))
+        with pytest.raises(ValueError, match="do not match a slot table"):
+            dev.experts_by_table(slots, table[:1], layout, x, w, 1.5)
+    finally:
+        dev.close()
+
+
+def test_slot_form_refuses_what_it_cannot_read(kernels):
+    tl_, _ = kernels
+    nbytes = bfp.packed_size((32, 64), "bfp4_b")
+    pool = torch.zeros(2, nbytes + 32, dtype=torch.uint8, device=DEV)
+    x, slot = torch.zeros(1, 64, device=DEV), torch.zeros(1, dtype=torch.int32, device=DEV)
+    assert tl_.linear(x, pool, "bfp4_b", (32, 64), slot=slot, offset=32).shape == (1, 32)  # the last bytes fit
+    with pytest.raises(ValueError, match="pass the end of a"):
+        tl_.linear(x, pool, "bfp4_b", (32, 64), slot=slot, offset=48)
+    with pytest.raises(ValueError, match="pass the end of a"):
+        tl_.linear(x, pool, "bfp4_b", (32, 64), slot=slot, offset=-16)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        tl_.linear(x, pool, "bfp4_b", (32, 64), slot=slot.float())
+    with pytest.raises(ValueError, match="int32 or int64"):
+        tl_.linear(x, pool, "bfp4_b", (32, 64), slot=torch.zeros(2, dtype=torch.int64, device=DEV))
+    with pytest.raises(ValueError, match="int32 or int64"):  # the pool's device, or the kernel reads a host address
+        tl_.linear(x, pool, "bfp4_b", (32, 64), slot=torch.zeros(1, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match="uint8 \\[n_slots, stride\\]"):
+        tl_.linear(x, pool.view(-1), "bfp4_b", (32, 64), slot=slot)
+    with pytest.raises(ValueError, match="names bfp tiles, not fp8"):
+        tl_.linear(x, pool, "fp8", slot=slot, scale=torch.ones(1, 1, device=DEV))
+
+
 def test_tiny_model_through_the_cuda_classes(kernels, tmp_path):
     """Dense weights as the checkpoint's FP8 blocks (CudaFp8Weight) and bf16 (CudaWeight), experts streamed through
     CudaDevice slots (2 slots: evictions), on tiny_a: the logits are the reference's to the bf16x2 rounding (bfp8_b

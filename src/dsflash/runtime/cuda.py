@@ -121,5 +121,29 @@ class CudaDevice:
         def apply(m: PackedMatrix, a: torch.Tensor) -> torch.Tensor:
             return triton_linear.linear(a, mem[m.offset : m.offset + m.nbytes], layout.fmt, (m.rows, m.cols))
 
-        h = swiglu(apply(layout.w1, x), apply(layout.w3, x), limit) * w
-        return apply(layout.w2, h)[:, : x.shape[1]]
+        return _ffn(apply, layout, x, w, limit)
+
+    def experts_by_table(
+        self, slots: torch.Tensor, table: torch.Tensor, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """experts() with the slots in a device int tensor table [k] (int32 or int64) that the kernels read: no host
+        sync and no slot number in the launches, so a CUDA graph captured once replays for whatever slots the table
+        holds then. w [t, k] -> this rank's partial fp32 [t, d], the experts added in table order."""
+        if table.dim() != 1 or w.dim() != 2 or w.shape[1] != table.shape[0]:
+            raise ValueError(f"routing weights {list(w.shape)} do not match a slot table {list(table.shape)}")
+        y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for i in range(table.shape[0]):
+            slot = table[i : i + 1]
+
+            def apply(m: PackedMatrix, a: torch.Tensor, slot=slot) -> torch.Tensor:
+                return triton_linear.linear(a, slots, layout.fmt, (m.rows, m.cols), slot=slot, offset=m.offset)
+
+            y += _ffn(apply, layout, x, w[:, i : i + 1], limit)
+        return y
+
+
+def _ffn(apply, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float) -> torch.Tensor:
+    """The expert FFN with apply(matrix, a) as its products: w2 (swiglu(w1 x, w3 x) * w), cut to x's width."""
+    h = swiglu(apply(layout.w1, x), apply(layout.w3, x), limit) * w
+    return apply(layout.w2, h)[:, : x.shape[1]]

@@ -16,6 +16,10 @@ Decoding follows formats/bfp.py bit for bit: zero code -> signed zero, exponent 
 FP8 rows decode bit by bit (E4M3FN: bias 7, subnormals below exponent field 1; the NaN code 0x7F is not expected
 in weights) and take their block's scale, a power of two, so the bf16 block is exact too.
 
+A bfp matrix may also be named by a slot number the kernel reads from device memory (`linear(..., slot=...)`): the
+launch then holds no Python value that changes between experts, so a CUDA graph captured once replays for whichever
+slots the table holds at replay time.
+
 Under TRITON_INTERPRET=1 the same kernel runs on CPU tensors (the tests use that to check the byte layout).
 """
 
@@ -80,13 +84,17 @@ def _decode_fp8_block(w_ptr, s_ptr, n0, k0, N, K, stride_wn, stride_sn, BN: tl.c
     return (v * s).to(tl.bfloat16)
 
 
-# M (rows of x) and the tile grid's width vary per call; specializing on them would compile a variant per value
-@triton.jit(do_not_specialize=["M", "tiles_per_row"])
+# M (rows of x) and the tile grid's width vary per call; specializing on them would compile a variant per value. The
+# slot number's address is a table entry, 4- or 8-byte aligned by its index: its alignment would double the variants
+@triton.jit(do_not_specialize=["M", "tiles_per_row"], do_not_specialize_on_alignment=["slot_ptr"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
     y_ptr,
+    slot_ptr,
+    slot_stride,
+    w_offset,
     M,
     N,
     K,
@@ -100,7 +108,11 @@ def _linear_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    SLOT: tl.constexpr = False,  # bfp only: W starts w_offset bytes into slot *slot_ptr of a pool at w_ptr
 ):
+    if SLOT:
+        # int64: a pool of many slots passes 2^31 bytes
+        w_ptr += tl.load(slot_ptr).to(tl.int64) * slot_stride + w_offset
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -141,6 +153,10 @@ def _blocks(m: int) -> tuple[int, int, int]:
     return bm, 32, 64
 
 
+_SLOT_DTYPES = (torch.int32, torch.int64)
+_SLOT_WARM = 8192  # a matrix offset (and half a slot) divisible by 16 like the store's, past warm_up's 64 x 64
+
+
 def warm_up(device: torch.device, fmts: tuple[str, ...], fp8_block: int = FP8_BLOCK) -> None:
     """Compile the kernel for each format and row-block size before the first request needs it (a compile takes
     about a second; a prefill would otherwise pay it inside its TTFT). Shapes here have the same divisibility as
@@ -156,6 +172,12 @@ def warm_up(device: torch.device, fmts: tuple[str, ...], fp8_block: int = FP8_BL
             w = torch.zeros(bfp.packed_size((64, 64), fmt), dtype=torch.uint8, device=device)
         for m in (1, 32, 64):
             linear(torch.zeros(m, 64, device=device), w, fmt, (64, 64), scale=scale, block=fp8_block)
+        if fmt in bfp.MANTISSA_BITS:  # the slot-indirect variant too: a graph capture must not compile
+            pool = torch.zeros(2, 2 * _SLOT_WARM, dtype=torch.uint8, device=device)
+            for dtype in _SLOT_DTYPES:
+                slot = torch.ones(1, dtype=dtype, device=device)
+                for m in (1, 32, 64):
+                    linear(torch.zeros(m, 64, device=device), pool, fmt, (64, 64), slot=slot, offset=_SLOT_WARM)
 
 
 def linear(
@@ -165,6 +187,9 @@ def linear(
     shape: tuple[int, int] | None = None,
     scale: torch.Tensor | None = None,
     block: int = FP8_BLOCK,
+    *,
+    slot: torch.Tensor | None = None,
+    offset: int = 0,
 ) -> torch.Tensor:
     """x [M, K] (any float dtype) @ W^T -> fp32 [M, N].
 
@@ -172,10 +197,17 @@ def linear(
     [N, K] (columns contiguous) and `scale` the fp32 powers of two of its `block` x `block` blocks
     [ceil(N/block), ceil(K/block)]. fmt "bfp8_b"/"bfp4_b": w is the uint8 tile bytes of a [N, K] matrix whose sides
     are multiples of 32 (`shape`); x's K may be narrower than the padded columns (the missing columns count as
-    zeros)."""
+    zeros).
+
+    With `slot` (bfp only), w is a slot pool [n_slots, stride] and the tiles start `offset` bytes into row slot[0],
+    which the kernel reads on the device: nothing here waits for the GPU, so the call may be captured in a CUDA graph
+    and replayed after the slot tensor is rewritten in place. The slot number is not checked (that would need a
+    read back): it must be below n_slots."""
     mbits = {"bf16": 0, "fp8": -1}.get(fmt, bfp.MANTISSA_BITS.get(fmt))
     if mbits is None:
         raise ValueError(f"unknown weight format {fmt!r}")
+    if slot is not None and mbits not in (7, 3):
+        raise ValueError(f"a slot names bfp tiles, not {fmt}")
     x = x.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -199,7 +231,9 @@ def linear(
         n, kw = shape
         if n % 32 or kw % 32:
             raise ValueError(f"bfp tiles cover multiples of 32, got {shape}")
-        if w.dtype != torch.uint8 or w.numel() != bfp.packed_size((n, kw), fmt):
+        if slot is not None:
+            _check_slot(w, slot, offset, bfp.packed_size((n, kw), fmt))
+        elif w.dtype != torch.uint8 or w.numel() != bfp.packed_size((n, kw), fmt):
             raise ValueError(f"{w.numel()} bytes of {w.dtype} do not hold {fmt} {list(shape)}")
         stride_wn, tiles_per_row = 0, kw // 32
     if k > kw:
@@ -214,6 +248,9 @@ def linear(
         w,
         s,
         y,
+        w if slot is None else slot,
+        0 if slot is None else w.stride(0),
+        offset if slot is not None else 0,
         m,
         n,
         k,
@@ -227,5 +264,18 @@ def linear(
         BM=bm,
         BN=bn,
         BK=bk,
+        SLOT=slot is not None,
     )
     return y
+
+
+def _check_slot(w: torch.Tensor, slot: torch.Tensor, offset: int, nbytes: int) -> None:
+    """What linear's slot form needs, from shapes and dtypes alone (reading the slot would wait for the GPU)."""
+    if w.dtype != torch.uint8 or w.dim() != 2 or w.stride(-1) != 1:
+        raise ValueError("a slot pool is uint8 [n_slots, stride] with contiguous rows")
+    if offset < 0 or offset + nbytes > w.shape[1]:
+        raise ValueError(f"{nbytes} bytes at byte {offset} pass the end of a {w.shape[1]}-byte slot")
+    if slot.dtype not in _SLOT_DTYPES or slot.numel() != 1 or slot.device != w.device:
+        raise ValueError(
+            f"a slot is one int32 or int64 on {w.device}, got {slot.dtype} {list(slot.shape)} on {slot.device}"
+        )
