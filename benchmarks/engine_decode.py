@@ -9,12 +9,14 @@ decode >= 3x the reference at TP 1, weight bytes read per decoded token at >= 50
 
 With --device cuda both sides run on the GPU: the reference as torch ops with every expert resident, the engine
 with its Triton kernels; memcpy is then a copy within GPU memory, and the host-to-GPU copy rate (what a slot miss
-streams at) is printed beside it.
+streams at) is printed beside it. The engine runs twice there: with its decode step replayed as CUDA graphs (the
+default) and eagerly (--enforce-eager's path); graph_speedup is the ratio of the two.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -143,6 +145,9 @@ def bench(
         str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads, device=device
     )
     eng = isolated(time_engine, opts, threads, prompt, steps, device)
+    eager = None
+    if device != "cpu":  # the captured step against the same engine launching every kernel itself
+        eager = isolated(time_engine, dataclasses.replace(opts, cuda_graph=False), threads, prompt, steps, device)
     after_ref = isolated(time_reference, *ref_args) if bracket else before_ref
     ref_step = (before_ref["step"] + after_ref["step"]) / 2
     ref_ttft = (before_ref["ttft"] + after_ref["ttft"]) / 2
@@ -177,6 +182,7 @@ def bench(
         "weight_bw_vs_memcpy": per_token / eng_step / 1e9 / gbps,
         "store_build_s": store_s,
         **({"host_to_gpu_gb_s": memcpy_gbps(device=device, pinned_src=True)} if device != "cpu" else {}),
+        **({"engine_eager_tok_s": 1 / eager["step"], "graph_speedup": eager["step"] / eng_step} if eager else {}),
     }
 
 

@@ -59,3 +59,40 @@ def test_slots_live_on_the_gpu(cache):
         assert runner.counters()["misses"] > 0
     finally:
         runner.close()
+
+
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
+def test_graph_decode_is_the_eager_decode(cache, name):
+    """The decode step replayed as CUDA graphs (split at every MoE layer's slot lookup and every Engram lookup,
+    runtime/cuda_graph.py) gives the eager step's logits, with few enough slots that the stages between the graphs
+    copy misses in; a second sequence after a reset replays to the same bits."""
+    from dsflash.runtime.launch import start_runner
+
+    files = open_dir(ROOT / name / "model")
+    cfg = files.ckpt.config
+    ids, prefill = list(range(3, 67)), 20
+    out = {}
+    for graphs in (True, False):
+        runner = start_runner(
+            files.ckpt, files.token_map, 96, expert_slots=4, cache_dir=cache, device="cuda", rebuild=graphs,
+            cuda_graph=graphs,
+        )  # fmt: skip
+        try:
+            g = runner.rank0.graph
+            assert (g is not None) == graphs
+            if graphs:
+                moe = sum(1 for s in cfg.layers() if not s.is_dspark)
+                assert g.graphs == 1 + moe + len(cfg.engram_layer_ids)
+            runs = []
+            for _ in range(2 if graphs else 1):
+                runner.reset()
+                rows = [runner.forward(ids[:prefill], 0, False)[-1]]
+                rows += [runner.forward([t], p, False)[-1] for p, t in enumerate(ids) if p >= prefill]
+                runs.append(torch.stack(rows))
+            if graphs:
+                assert runner.counters()["misses"] > 0
+                assert torch.equal(runs[0], runs[1])
+            out[graphs] = runs[0]
+        finally:
+            runner.close()
+    assert compare_logits(out[False].numpy(), out[True].numpy())["max_abs"] < 1e-3

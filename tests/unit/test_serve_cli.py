@@ -12,6 +12,7 @@ EVERY_FLAG = [
     "--expert-slots", "99", "--expert-format", "bfp8_b", "--device", "cpu", "--backend", "reference",
     "--max-queue", "3", "--max-model-len", "777", "--prefill-chunk", "2048", "--cache-dir", "/tmp/c", "--rebuild",
     "--default-chat-template-kwargs", '{"thinking": true}', "--shutdown-grace", "7", "--record-routing", "/tmp/r.jsonl",
+    "--enforce-eager",
 ]  # fmt: skip
 NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "run"}  # the key travels in the environment
 

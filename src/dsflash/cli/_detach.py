@@ -37,6 +37,8 @@ def child_argv(args) -> list[str]:
             argv += [flag, str(value)]
     if args.rebuild:
         argv.append("--rebuild")
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
     return argv
 
 

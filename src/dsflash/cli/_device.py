@@ -1,4 +1,4 @@
-"""The flags every engine-running command shares: --device, --expert-format and --rebuild."""
+"""The flags every engine-running command shares: --device (with --enforce-eager), --expert-format and --rebuild."""
 
 from __future__ import annotations
 
@@ -12,6 +12,12 @@ def add_device_argument(p: argparse.ArgumentParser, prefix: str = "") -> None:
         default="auto",
         help=f"{prefix}where the engine computes: cuda (TP rank r on GPU r %% count), cpu, or auto (cuda where torch "
         "sees a GPU)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help=f"{prefix}on a GPU, run the decode step eagerly instead of replaying it as CUDA graphs captured at start "
+        "(slower; for debugging, or where a capture fails)",
     )
 
 

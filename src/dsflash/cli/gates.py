@@ -59,6 +59,7 @@ def run(args) -> int:
         thresholds=thresholds,
         device=args.device,
         rebuild=args.rebuild,
+        cuda_graph=not args.enforce_eager,
     )
     print(json.dumps(report))
     return 0 if report["pass"] else 1

@@ -111,5 +111,6 @@ def _backend(args, max_len: int):
         qat=not args.no_qat,
         device=args.device,
         rebuild=args.rebuild,
+        cuda_graph=not args.enforce_eager,
     )
     return runner_forward(runner), runner.close

@@ -143,6 +143,7 @@ class _Serve:
             expert_slots=args.expert_slots,
             expert_format=args.expert_format,
             device=args.device,
+            cuda_graph=not args.enforce_eager,
             max_queue=args.max_queue,
             max_model_len=args.max_model_len,
             prefill_chunk=args.prefill_chunk,

@@ -55,6 +55,7 @@ def engine_scores(
     prefill_matmul: str = "auto",
     device: str = "auto",
     rebuild: bool = False,
+    cuda_graph: bool = True,
 ) -> Scores:
     runner = start_runner(
         files.ckpt,
@@ -69,6 +70,7 @@ def engine_scores(
         prefill_matmul=prefill_matmul,
         device=device,
         rebuild=rebuild,
+        cuda_graph=cuda_graph,
     )
     try:
         pre, dec = _score(runner_forward(runner), ids, prefill)
@@ -108,6 +110,7 @@ def run_gates(
     progress: bool = False,
     device: str = "auto",
     rebuild: bool = False,
+    cuda_graph: bool = True,
 ) -> dict:
     """Score reference and engine on the same tokens; the report says which thresholds fail (if any)."""
     device = resolve_device(device)  # a device this machine lacks fails now, not after the reference has run
@@ -116,7 +119,10 @@ def run_gates(
     prepare_store(files.ckpt, cache_dir, tp, expert_format, rebuild, progress)
     ids, prefill = gate_ids(files, tokens)
     want = reference_scores(files, ids, prefill, qat)
-    got = engine_scores(files, ids, prefill, tp, expert_slots, expert_format, cache_dir, qat, progress, device=device)
+    got = engine_scores(
+        files, ids, prefill, tp, expert_slots, expert_format, cache_dir, qat, progress, device=device,
+        cuda_graph=cuda_graph,
+    )  # fmt: skip
     out = report(want, got, thresholds)
     out["config"] = {
         "tp": tp,

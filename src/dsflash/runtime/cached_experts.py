@@ -43,8 +43,7 @@ class CachedExperts:
         routed = ids.cpu()  # slot bookkeeping runs on the host whatever the device
         cols = routed[0].tolist() if routed.shape[0] == 1 else None
         experts = list(cols) if cols is not None else torch.unique(routed).tolist()
-        # resident experts first: pinned before any miss can evict them
-        experts.sort(key=lambda e: ((layer, e) not in self.pool, e))
+        self._resident_first(layer, experts)
         if cols is not None and len(experts) <= self.pool.n_slots:  # decode: the layer's experts in one call
             slots = self._acquire(layer, experts)
             try:
@@ -66,6 +65,23 @@ class CachedExperts:
                 for e in wave:
                     self.pool.release((layer, e))
         return y
+
+    def _resident_first(self, layer: int, experts: list[int]) -> None:
+        """Sort in place: resident experts first, pinned before any miss can evict them."""
+        experts.sort(key=lambda e: ((layer, e) not in self.pool, e))
+
+    def acquire_decode(self, layer: int, cols: list[int]) -> list[int]:
+        """One token's routed experts (distinct ids) resident and pinned; their slots in routing column order. For
+        a captured decode step (runtime/cuda_graph.py), whose kernels read the slots from a table; release() unpins
+        them."""
+        experts = list(cols)
+        self._resident_first(layer, experts)
+        slots = dict(zip(experts, self._acquire(layer, experts), strict=True))
+        return [slots[e] for e in cols]
+
+    def release(self, layer: int, experts: list[int]) -> None:
+        for e in experts:
+            self.pool.release((layer, e))
 
     def _acquire(self, layer: int, experts: list[int], cold: bool = False) -> list[int]:
         got = [self.pool.acquire((layer, e), cold) for e in experts]
@@ -100,6 +116,10 @@ class CachedExperts:
 
     def counters(self) -> dict:
         return {**self.pool.counters(), "bytes_copied": self.bytes_copied, "copy_s": self.copy_s}
+
+    def zero_counters(self) -> None:
+        self.pool.hits = self.pool.misses = self.pool.evictions = 0
+        self.bytes_copied, self.copy_s = 0, 0.0
 
     def close(self) -> None:
         self.device.close()

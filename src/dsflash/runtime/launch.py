@@ -25,6 +25,7 @@ def start_runner(
     prefill_matmul: str = "auto",
     device: str = "auto",
     rebuild: bool = False,
+    cuda_graph: bool = True,
 ) -> TPRunner:
     prepare_store(ckpt, cache_dir, tp, expert_format, rebuild, progress)
     resolve_device(device)
@@ -40,6 +41,7 @@ def start_runner(
         prefill_matmul=prefill_matmul,
         device=device,
         rebuild_store=rebuild,
+        cuda_graph=cuda_graph,
     )
     return TPRunner(opts, tp, token_map, ckpt.config.vocab_size)
 

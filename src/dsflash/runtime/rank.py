@@ -58,6 +58,9 @@ class EngineOptions:
     # how a CPU rank fills a slot on a miss: map (the store's page-cache pages mapped into the slot, runtime/filemap.py;
     # copies where the system cannot map) or copy (preadv into the slot's own memory)
     slot_fill: str = "map"
+    # a CUDA rank captures its decode step as CUDA graphs at start (runtime/cuda_graph.py); False keeps it eager
+    # (vLLM's --enforce-eager). Ranks that reach each other through host copies (gloo between GPUs) stay eager.
+    cuda_graph: bool = True
 
 
 DEFAULT_SLOTS = 4500  # the reference box's pool
@@ -160,6 +163,12 @@ class RankRuntime:
         total = sum(s.n_experts for s in cfg.layers())
         n_slots = slot_count(opts.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
+        self.graph = None
+        if on_gpu and opts.cuda_graph and not tp.host_staging:
+            from dsflash.runtime.cuda_graph import GraphDecode
+
+            self.graph = GraphDecode(self.model, self.state, self.experts, self.device)
+            self.experts.zero_counters()  # the warm-up steps before the capture are not a request's
 
     def reset(self) -> None:
         self.state.reset()
@@ -169,14 +178,19 @@ class RankRuntime:
     def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
         """tokens [1, s] -> fp32 logits [1, s, V], or [1, 1, V] with last_only (every rank gets them gathered),
         on this rank's device."""
-        tokens = tokens.to(self.device)
         if self.routing_log is None:
-            return self.model(tokens, start_pos, self.state, self.experts, last_only=last_only)
+            return self._forward(tokens, start_pos, last_only)
         self.routing_log.begin(start_pos, tokens.shape[1])
         try:
-            return self.model(tokens, start_pos, self.state, self.experts, last_only=last_only)
+            return self._forward(tokens, start_pos, last_only)
         finally:
             self.routing_log.end()
+
+    def _forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool) -> torch.Tensor:
+        if self.graph is not None and tokens.shape[1] == 1:  # a decode step: the captured graphs
+            self.model.check_input(tokens, start_pos, self.state)  # on the host: the graphs check nothing
+            return self.graph.step(int(tokens[0, 0]), start_pos)
+        return self.model(tokens.to(self.device), start_pos, self.state, self.experts, last_only=last_only)
 
     def counters(self) -> dict:
         return self.experts.counters()

@@ -25,6 +25,7 @@ class BootOptions:
     expert_slots: int | None = None
     expert_format: str = "auto"  # bfp4_b | bfp8_b | auto (store.layout.resolve_tile_format, once the model is known)
     device: str = "auto"  # engine: cpu | cuda | auto (runtime.rank.resolve_device)
+    cuda_graph: bool = True  # engine on CUDA: the decode step as CUDA graphs (runtime/cuda_graph.py)
     max_queue: int = 64
     max_model_len: int | None = None  # overrides the profile's context
     cache_dir: str | None = None
@@ -193,6 +194,7 @@ class EngineBackend:
             threads=_threads(self.opts, files),
             record_routing=self.opts.record_routing,
             device=self.opts.device,
+            cuda_graph=self.opts.cuda_graph,
             rebuild_store=self.rebuild,
         )
         cfg = files.ckpt.config

@@ -1,0 +1,135 @@
+"""The captured decode step (runtime/cuda_graph.py) on the CPU: a recorder of torch operations stands in for CUDA
+graphs. Like a graph, it runs the model's Python once, at capture, and a replay repeats only the recorded
+operations on the same tensors: a value the step took from Python at capture (a position, a slot, a length) stays
+what it was then. Replays that follow a dynamic prefill must give the reference's logits, with the stages between
+the graphs (slot lookups with evictions, Engram rows from the host) run as on a GPU. The real graphs: test_cuda.py."""
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsflash.gates.compare import compare_logits, within_golden_tolerance
+from dsflash.model.experts import expert_ffn
+from dsflash.runtime.cuda_graph import GraphDecode
+from dsflash.runtime.slots import SlotPool
+from tests.model.conftest import open_case
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops: list):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "_local_scalar_dense" in func.__name__:
+            raise AssertionError(f"{func} reads a device value on the host inside a captured graph")
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class _Graph:
+    def __init__(self):
+        self.ops: list = []
+        self.mode: _Recorder | None = None
+
+    def replay(self) -> None:
+        with torch.inference_mode():
+            for func, args, kwargs, out in self.ops:
+                _refresh(out, func(*args, **kwargs))
+
+
+def _refresh(out, new) -> None:
+    """The recorded output tensor takes the new values in place, as a graph's kernels write their buffers."""
+    if isinstance(out, torch.Tensor):
+        if out is not new:
+            out.copy_(new)
+    elif isinstance(out, list | tuple):
+        for o, n in zip(out, new, strict=True):
+            _refresh(o, n)
+
+
+class RecordedGraphs:
+    """runtime.cuda_graph.CudaGraphs on the CPU: capture records, replay repeats."""
+
+    def graph(self) -> _Graph:
+        return _Graph()
+
+    def begin(self, graph: _Graph) -> None:
+        graph.mode = _Recorder(graph.ops)
+        graph.mode.__enter__()
+
+    def end(self, graph: _Graph) -> None:
+        graph.mode.__exit__(None, None, None)
+
+    def capturing(self):
+        return contextlib.nullcontext()
+
+    def synchronize(self) -> None:
+        pass
+
+    def pinned(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype)
+
+
+class TableExperts:
+    """CachedExperts' interface over the reference's resident experts: a miss 'copies' an expert into a slot by
+    writing its index into slot_expert, the slot memory the table-reading kernel sees."""
+
+    def __init__(self, resident, n_slots: int):
+        self.resident, self.limit, self.routing_log = resident, resident.limit, None
+        self.pool = SlotPool(n_slots)
+        keys = sorted(resident.weights)
+        self.index = {k: i for i, k in enumerate(keys)}
+        self.w = [torch.stack([resident.weights[k][j] for k in keys]) for j in range(3)]
+        self.slots = torch.zeros(n_slots, dtype=torch.long)  # slot -> expert index
+        self.device, self.layout, self.misses = self, None, 0
+
+    def __call__(self, layer, x, ids, weights):  # the eager steps (warm-up, prefill)
+        return self.resident(layer, x, ids, weights)
+
+    def acquire_decode(self, layer: int, cols: list[int]) -> list[int]:
+        out = []
+        for e in cols:
+            slot, hit = self.pool.acquire((layer, e))
+            if not hit:
+                self.slots[slot] = self.index[(layer, e)]
+                self.misses += 1
+            out.append(slot)
+        return out
+
+    def release(self, layer: int, cols: list[int]) -> None:
+        for e in cols:
+            self.pool.release((layer, e))
+
+    def experts_by_table(self, slots, table, layout, x, w, limit):
+        which = slots[table.long()]
+        y = torch.zeros(x.shape, dtype=torch.float32)
+        for i in range(table.shape[0]):
+            w1, w3, w2 = (m.index_select(0, which[i : i + 1])[0] for m in self.w)
+            y += expert_ffn(x, w1, w3, w2, limit, w[:, i : i + 1])
+        return y
+
+
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
+def test_replayed_decode_is_the_reference(name):
+    case = open_case(name)
+    model, cfg, tokens = case.ref.model, case.ref.cfg, case.tokens[:60]
+    state = model.new_state(len(tokens))
+    full = model(torch.tensor([tokens]), 0, state, case.ref.experts)[0].numpy()
+    experts = TableExperts(case.ref.experts, n_slots=max(s.n_active for s in cfg.layers()) + 1)
+    graph = GraphDecode(model, state, experts, torch.device("cpu"), cuda=RecordedGraphs())
+    moe = sum(1 for s in cfg.layers() if not s.is_dspark)
+    assert graph.graphs == 1 + moe + len(cfg.engram_layer_ids)  # split at every slot lookup and Engram lookup
+    assert state.length == 0 and not state.layers[0].window.any()  # the capture left no trace in the state
+    split = 7
+    first = model(torch.tensor([tokens[:split]]), 0, state, experts)[0].numpy()
+    rows = [graph.step(t, p)[0, -1].numpy() for p, t in enumerate(tokens) if p >= split]
+    assert state.length == len(tokens) and experts.misses > 0
+    report = compare_logits(full, np.concatenate([first, np.stack(rows)]))
+    assert within_golden_tolerance(report, case.golden["tolerance"]), report
+    assert report["mean_abs"] < 1e-4, report
