@@ -9,7 +9,7 @@ import contextlib
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from dsflash.gates.compare import compare_logits, within_golden_tolerance
 from dsflash.model.experts import expert_ffn
@@ -133,3 +133,19 @@ def test_replayed_decode_is_the_reference(name):
     report = compare_logits(full, np.concatenate([first, np.stack(rows)]))
     assert within_golden_tolerance(report, case.golden["tolerance"]), report
     assert report["mean_abs"] < 1e-4, report
+
+
+def test_a_failed_capture_reports_its_error_and_leaves_the_model_as_it_was(monkeypatch):
+    case = open_case("tiny_a")
+    model = case.ref.model
+    experts = TableExperts(case.ref.experts, n_slots=4)
+
+    def broken(*args):
+        raise RuntimeError("not capturable")
+
+    monkeypatch.setattr(experts, "experts_by_table", broken)
+    with pytest.raises(RuntimeError, match="not capturable"):
+        GraphDecode(model, model.new_state(16), experts, torch.device("cpu"), cuda=RecordedGraphs())
+    assert _get_current_dispatch_mode() is None  # no capture left open
+    tables = [m for m in model.modules() if type(m).__name__ == "EngramTable"]
+    assert tables and all("forward" not in vars(t) for t in tables)  # the lookups are the tables' own again

@@ -153,8 +153,11 @@ class GraphDecode:
             cuda.begin(pending[0])
             try:
                 logits = self.model(self.token, self.pos, self.state, experts, last_only=True)
-            finally:
-                cuda.end(pending[0])
+            except BaseException:
+                with contextlib.suppress(Exception):  # the capture's own error is the one to report
+                    cuda.end(pending[0])
+                raise
+            cuda.end(pending[0])
             self._segments.append((pending[0], None))
         return logits
 

@@ -167,7 +167,13 @@ class RankRuntime:
         if on_gpu and opts.cuda_graph and not tp.host_staging:
             from dsflash.runtime.cuda_graph import GraphDecode
 
-            self.graph = GraphDecode(self.model, self.state, self.experts, self.device)
+            try:
+                self.graph = GraphDecode(self.model, self.state, self.experts, self.device)
+            except Exception as e:  # a capture that fails leaves nothing worth keeping: say how to run without one
+                raise ConfigError(
+                    f"capturing the decode step as CUDA graphs failed on rank {tp.rank} ({type(e).__name__}: {e}); "
+                    "--enforce-eager runs it without graphs"
+                ) from e
             self.experts.zero_counters()  # the warm-up steps before the capture are not a request's
 
     def reset(self) -> None:
