@@ -18,6 +18,9 @@ def test_lru_eviction_and_counters():
     pool.release("c")
     assert "b" not in pool and pool.slot_of("a") == 0
     assert pool.counters() == {"hits": 1, "misses": 3, "evictions": 1, "resident": 2}
+    pool.zero_counters()  # counting afresh keeps what is resident
+    assert pool.counters() == {"hits": 0, "misses": 0, "evictions": 0, "resident": 2}
+    assert pool.acquire("a") == (0, True)
 
 
 def test_pinned_slots_are_never_evicted():

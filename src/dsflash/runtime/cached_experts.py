@@ -118,7 +118,7 @@ class CachedExperts:
         return {**self.pool.counters(), "bytes_copied": self.bytes_copied, "copy_s": self.copy_s}
 
     def zero_counters(self) -> None:
-        self.pool.hits = self.pool.misses = self.pool.evictions = 0
+        self.pool.zero_counters()
         self.bytes_copied, self.copy_s = 0, 0.0
 
     def close(self) -> None:

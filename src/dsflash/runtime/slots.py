@@ -75,5 +75,9 @@ class SlotPool:
                 return slot
         raise SlotsExhausted(f"all {self.n_slots} expert slots are pinned")
 
+    def zero_counters(self) -> None:
+        """Start counting afresh (which experts are resident is unchanged)."""
+        self.hits = self.misses = self.evictions = 0
+
     def counters(self) -> dict:
         return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions, "resident": len(self._lru)}
