@@ -137,6 +137,8 @@ class RankRuntime:
         self.model = Transformer(cfg, tp=tp, token_map=token_map, qat=opts.qat, dspark=opts.dspark)
         load_into(self.model, ckpt)
         on_gpu = self.device.type == "cuda"
+        # the decode step as CUDA graphs (runtime/cuda_graph.py); not where collectives go through host copies
+        graphs = on_gpu and opts.cuda_graph and not tp.host_staging
         if on_gpu or opts.dense_format != "fp32":
             for m in self.model.modules():  # embedding rows are only gathered: bf16 halves them for free
                 if isinstance(m, Embedding):
@@ -148,7 +150,8 @@ class RankRuntime:
             self.dense_bytes = cuda.pack_dense(self.model, self.device, ckpt, opts.dense_format)
             to_device(self.model, self.device)
             device = device or cuda.CudaDevice(self.device)
-            triton_linear.warm_up(self.device, ("bf16", "fp8", opts.expert_format), cfg.fp8_block)  # dense, experts
+            fmts = ("bf16", "fp8", opts.expert_format)  # dense, experts
+            triton_linear.warm_up(self.device, fmts, cfg.fp8_block, slot_table=graphs)
         elif opts.dense_format != "fp32":
             self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul, screen_head=opts.screen_head)
         fused.fill(self.model, on_gpu)
@@ -164,7 +167,7 @@ class RankRuntime:
         n_slots = slot_count(opts.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
         self.graph = None
-        if on_gpu and opts.cuda_graph and not tp.host_staging:
+        if graphs:
             from dsflash.runtime.cuda_graph import GraphDecode
 
             try:
