@@ -2,7 +2,9 @@
 graphs. Like a graph, it runs the model's Python once, at capture, and a replay repeats only the recorded
 operations on the same tensors: a value the step took from Python at capture (a position, a slot, a length) stays
 what it was then. Replays that follow a dynamic prefill must give the reference's logits, with the stages between
-the graphs (slot lookups with evictions, Engram rows from the host) run as on a GPU. The real graphs: test_cuda.py."""
+the graphs (slot lookups with evictions, Engram rows from the host) run as on a GPU. On the CPU a copy between host
+and device is no copy at all, so a second check captures the model on the meta device, where it is one. The real
+graphs: test_cuda.py."""
 
 import contextlib
 
@@ -149,3 +151,77 @@ def test_a_failed_capture_reports_its_error_and_leaves_the_model_as_it_was(monke
     assert _get_current_dispatch_mode() is None  # no capture left open
     tables = [m for m in model.modules() if type(m).__name__ == "EngramTable"]
     assert tables and all("forward" not in vars(t) for t in tables)  # the lookups are the tables' own again
+
+
+class _Traffic(TorchDispatchMode):
+    """Records every operation that mixes host tensors with device (meta) ones, or copies between the two: inside a
+    capture that is a copy from pageable host memory or a wait for the GPU, neither of which a graph can hold (a
+    0-dim host tensor is a scalar argument, as on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.capturing, self.seen = False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.capturing:
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() > 0]
+            devices = {t.device.type for t in tensors}
+            target = kwargs.get("device") or next((a for a in args[1:] if isinstance(a, torch.device)), None)
+            if target is not None:
+                devices.add(torch.device(target).type)
+            if len(devices) > 1:
+                self.seen.append((str(func), sorted(devices)))
+        return func(*args, **kwargs)
+
+
+class _MetaGraphs(RecordedGraphs):
+    def __init__(self, traffic: _Traffic):
+        self.traffic = traffic
+
+    def begin(self, graph) -> None:
+        self.traffic.capturing = True
+
+    def end(self, graph) -> None:
+        self.traffic.capturing = False
+
+
+class _MetaExperts:
+    """The expert back end's interface on the meta device (no values: only devices and shapes matter here)."""
+
+    routing_log, layout, limit = None, None, None
+
+    def __init__(self):
+        self.slots, self.device = torch.zeros(8, 16, device="meta"), self
+
+    def __call__(self, layer, x, ids, weights):
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+
+    def experts_by_table(self, slots, table, layout, x, w, limit):
+        return slots[table.long()].sum() * x.float()
+
+
+def _capture_on_meta(name: str) -> tuple[int, list]:
+    model = open_case(name).ref.model
+    model._apply(lambda t: t.to("meta"))  # the Engram tables too: on meta their lookup is no host stage to check
+    traffic = _Traffic()
+    with traffic:
+        state = model.new_state(64, device="meta")
+        graph = GraphDecode(model, state, _MetaExperts(), torch.device("meta"), cuda=_MetaGraphs(traffic))
+    return graph.graphs, traffic.seen
+
+
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
+def test_the_captured_step_moves_nothing_between_host_and_device(name):
+    graphs, seen = _capture_on_meta(name)
+    assert graphs > 1 and seen == []
+
+
+def test_a_host_copy_inside_the_capture_is_seen(monkeypatch):
+    """The check above can fail: a constant copied from the host at every step, not once, is reported."""
+    from dsflash.model.layers import Rope
+
+    cis = Rope.cis
+    monkeypatch.setattr(Rope, "cis", lambda self, pos: cis(self, pos) * torch.ones(1, 1).to(pos.device))
+    _, seen = _capture_on_meta("tiny_a")
+    assert seen and all(devices == ["cpu", "meta"] for _, devices in seen)
