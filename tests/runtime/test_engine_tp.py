@@ -183,9 +183,9 @@ def test_gates_refuse_a_missing_gpu_before_scoring(monkeypatch, capsys):
     assert err == ["dsflash gates: error: --device cuda: this torch build sees no CUDA GPU"]
 
 
-def test_gates_keep_a_store_built_for_another_tp_unless_told(tmp_path, monkeypatch, capsys):
-    """The store gates would use is the one `dsflash serve` reads: one built for another TP degree is refused in
-    one line before the reference runs, and left as it was; --rebuild replaces it."""
+def test_gates_at_another_tp_build_their_own_store_and_keep_the_first(tmp_path, monkeypatch, capsys):
+    """The stores gates use are the ones `dsflash serve` reads: at another TP degree than the model's store, gates
+    build that degree's store beside it (once) and leave the first one as it was."""
     from dsflash.cli.main import main
     from dsflash.gates import run
     from dsflash.store.layout import StoreManifest, store_dir
@@ -203,11 +203,13 @@ def test_gates_keep_a_store_built_for_another_tp_unless_told(tmp_path, monkeypat
 
     monkeypatch.setattr(run, "gate_ids", stop)  # the scoring that follows the store
     args = ["gates", str(files.path), "--tp", "2", "--expert-format", "bfp8_b", "--cache-dir", str(tmp_path)]
-    assert main(args) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "built for something else" in err[0] and "--rebuild" in err[0], err
+    with pytest.raises(Stop):
+        main(args)
+    beside = store_dir(files.path, tmp_path, 2, "bfp8_b")
+    assert beside != weights and StoreManifest.read(beside).geometry.tp == 2
+    built = {p.name: p.stat().st_mtime_ns for p in beside.iterdir()}
+    with pytest.raises(Stop):
+        main(args)
+    assert {p.name: p.stat().st_mtime_ns for p in beside.iterdir()} == built  # found again, not rebuilt
     assert {p.name: p.stat().st_mtime_ns for p in weights.iterdir()} == before
     assert StoreManifest.read(weights).geometry.tp == 1
-    with pytest.raises(Stop):
-        main([*args, "--rebuild"])
-    assert StoreManifest.read(weights).geometry.tp == 2

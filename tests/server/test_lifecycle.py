@@ -4,10 +4,12 @@ busy port (detached), stopping from another process while a request runs, the po
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -110,22 +112,32 @@ def test_boot_failure_is_one_clear_line(tmp_path):
     assert r.returncode == 1 and "p300x2-32k" in r.stderr
 
 
-def test_a_store_built_for_something_else_is_refused_until_rebuild(tmp_path):
-    """A model's expert store built for another TP degree is never used: serve refuses with the fix in one line, and
-    with --rebuild replaces it (the boot row says why)."""
-    model = str(ROOT / "tiny_a" / "model")
+def test_a_store_of_another_revision_is_refused_until_rebuild_and_other_tp_stores_stay(tmp_path):
+    """A model's expert store built from another revision of the model is never used: serve refuses with the fix in
+    one line, and with --rebuild replaces it (the boot row says why). The model's store for another TP degree is
+    its own, and stays as it was through all of it."""
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "tiny_a" / "model", model)
     cache = tmp_path / "cache"
     env = dsflash_env(tmp_path / "state", cache)
-    r = dsflash(env, "store", "build", model, "--tp", "2", "--no-progress")
-    assert r.returncode == 0, r.stderr
-    r = dsflash(env, "serve", model, "--port", str(free_port()), timeout=60)
+    stores = []
+    for tp in ("2", "1"):
+        r = dsflash(env, "store", "build", str(model), "--tp", tp, "--no-progress")
+        assert r.returncode == 0, r.stderr
+        stores.append(Path(json.loads(r.stdout)["store"]))
+    assert stores[0].name == "weights" and stores[1].name == "weights-tp1-bfp8_b"
+    before = {p.name: p.stat().st_mtime_ns for p in stores[0].iterdir()}
+    config = model / "config.json"
+    config.write_text(config.read_text() + "\n")  # another revision: the same model, other bytes
+    r = dsflash(env, "serve", str(model), "--port", str(free_port()), timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
     err = r.stderr.strip().splitlines()
-    assert len(err) == 1 and "TP degree 2 (store) vs 1 (requested)" in err[0] and "--rebuild" in err[0]
-    srv = start_server(tmp_path, cache, model, "--rebuild")
+    assert len(err) == 1 and str(stores[1]) in err[0] and "revision" in err[0] and "--rebuild" in err[0], err
+    srv = start_server(tmp_path, cache, str(model), "--rebuild")
     try:
         srv.wait_ready()
         out = srv.wait_output("Ready in")
-        assert "rebuilt (built for TP degree 2 (store) vs 1 (requested))" in out
+        assert "rebuilt (built for revision" in out and "TP 1" in out
     finally:
         srv.stop()
+    assert {p.name: p.stat().st_mtime_ns for p in stores[0].iterdir()} == before

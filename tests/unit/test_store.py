@@ -257,15 +257,23 @@ def _copy(built, tmp_path) -> Path:
     return tmp_path / "root"
 
 
-def test_other_tp_or_format_is_refused(tiny, built):
-    with pytest.raises(StoreMismatch, match=r"TP degree 2 \(store\) vs 4 \(requested\)"):
-        open_store(tiny, built, 4, "bfp4_b")
-    with pytest.raises(StoreMismatch, match=r"tile format 'bfp4_b' \(store\) vs 'bfp8_b' \(requested\)"):
-        open_store(tiny, built, 2, "bfp8_b")
-    with pytest.raises(StoreMismatch, match="pass --rebuild"):
-        build_store(tiny, built, 1, "bfp4_b", progress=False)
-    with open_store(tiny, built, 2, "bfp4_b") as s, open_store(tiny, built, None, None) as t:
-        assert s.tp == t.tp == 2
+def test_other_tp_or_format_gets_its_own_store_beside_the_first(tmp_path, built, tiny):
+    root = _copy(built, tmp_path)
+    first = store_dir(tiny.path, root)
+    before = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
+    with pytest.raises(StoreMissing, match="weights-tp4-bfp4_b"):  # never the first store, whatever it holds
+        open_store(tiny, root, 4, "bfp4_b")
+    with pytest.raises(StoreMissing, match="weights-tp2-bfp8_b"):
+        open_store(tiny, root, 2, "bfp8_b")
+    m = build_store(tiny, root, 1, "bfp8_b", progress=False)
+    assert m.stats["reason"] == "new" and store_dir(tiny.path, root, 1, "bfp8_b") == first.parent / "weights-tp1-bfp8_b"
+    assert build_store(tiny, root, 1, "bfp8_b", progress=False).stats["built"] == []  # found again, kept
+    assert {p.name: p.stat().st_mtime_ns for p in first.iterdir()} == before  # the first store as it was
+    with open_store(tiny, root, 2, "bfp4_b") as s, open_store(tiny, root, None, None) as t:
+        assert s.directory == t.directory == first and s.tp == t.tp == 2  # unspecified: the first store
+    with open_store(tiny, root, 1, "bfp8_b") as s, open_store(tiny, root, None, "bfp8_b") as t:
+        assert s.directory == t.directory != first and (s.tp, s.tile_format) == (1, "bfp8_b")
+        verify_store(s, ckpt=tiny, decode=4)
 
 
 def test_other_model_is_refused(tmp_path, built, tiny):

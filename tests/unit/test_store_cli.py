@@ -93,16 +93,18 @@ def test_verify_cli_names_the_flipped_record(tmp_path, capsys):
     assert err.startswith("dsflash store: error: ") and len(err.splitlines()) == 1
     assert "layer 9 (layers.9) expert 5 rank 2" in err
 
-    # the store is for TP 4 bfp8_b: asking for anything else is refused, never used silently
+    # the store is for TP 4 bfp8_b: anything else is another store, never this one used or replaced
     assert main(["store", "verify", str(MODEL), "--cache-dir", root, "--tp", "2"]) == 1
-    assert "TP degree 4 (store) vs 2 (requested)" in capsys.readouterr().err
-    assert main(["store", "build", str(MODEL), "--format", "bfp4_b", "--cache-dir", root, "--no-progress"]) == 1
-    err = capsys.readouterr().err
-    assert "TP degree 4 (store) vs 1 (requested)" in err and "tile format" in err and "--rebuild" in err
-    assert main(["store", "build", str(MODEL), "--cache-dir", root, "--no-progress", "--rebuild"]) == 0
+    assert "no expert store in" in capsys.readouterr().err
+    assert main(["store", "build", str(MODEL), "--cache-dir", root, "--no-progress"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["tp"] == 1 and row["format"] == "bfp8_b"  # auto: the tiny store fits, so FP4 exactly
-    assert json.loads((d / MANIFEST).read_text())["tp"] == 1
+    assert row["store"] == str(d.parent / "weights-tp1-bfp8_b") and row["built"] == list(range(14))
+    assert main(["store", "verify", str(MODEL), "--cache-dir", root, "--tp", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["store"] == row["store"]
+    assert json.loads((d / MANIFEST).read_text())["tp"] == 4  # the first store as it was, flipped byte and all
+    assert main(["store", "verify", str(MODEL), "--cache-dir", root]) == 1
+    assert "layer 9 (layers.9) expert 5 rank 2" in capsys.readouterr().err
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

@@ -36,7 +36,7 @@ def add_rebuild_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--rebuild",
         action="store_true",
-        help="replace an expert store built for another TP degree, tile format, revision or store version (without "
-        "it such a store is refused: it is the one `dsflash serve` reads, and rebuilding V4.1-Flash's takes tens of "
-        "minutes; another --cache-dir keeps both)",
+        help="replace the expert store for this TP degree and tile format where it was built from another revision "
+        "of the model or by another store version (without it such a store is refused: rebuilding V4.1-Flash's takes "
+        "tens of minutes). A store for another TP degree or format is never touched: each has its own",
     )

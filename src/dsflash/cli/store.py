@@ -29,8 +29,9 @@ def _common(p: argparse.ArgumentParser, build: bool) -> None:
         p.add_argument("--tp", type=_positive, default=None, help="TP degree the store must have (default: as built)")
         p.add_argument("--format", choices=FORMATS, default=None, help="tile format the store must have (default: as "
                        "built)")  # fmt: skip
-    p.add_argument("--cache-dir", default=None, help="store root; the store is <root>/<model-name>/weights (default: "
-                   "$DSFLASH_CACHE, else ~/.cache/dsflash)")  # fmt: skip
+    p.add_argument("--cache-dir", default=None, help="store root; the store is <root>/<model-name>/weights, or "
+                   "weights-tp<N>-<format> beside it for another TP degree or format (default: $DSFLASH_CACHE, else "
+                   "~/.cache/dsflash)")  # fmt: skip
 
 
 def add_parser(sub) -> None:
@@ -40,8 +41,9 @@ def add_parser(sub) -> None:
     b = actions.add_parser(
         "build",
         help="pack every routed expert into bfp tiles, one file per layer (resumes an interrupted build)",
-        description="Build the store; finished layers of an interrupted build are kept. A store of another model, "
-        "revision, TP degree or format in the same place is refused unless --rebuild. Prints one JSON line.",
+        description="Build the store; finished layers of an interrupted build are kept. A store for another TP "
+        "degree or format goes beside the model's first one and replaces nothing; one of another model, revision or "
+        "store format version in its place is refused unless --rebuild. Prints one JSON line.",
     )
     _common(b, build=True)
     b.add_argument("--rebuild", action="store_true", help="replace a store built for something else (default: off)")
@@ -84,7 +86,7 @@ def _build(args) -> int:
 
     s = m.stats
     row = {
-        "store": str(store_dir(ckpt.path, args.cache_dir)),
+        "store": str(store_dir(ckpt.path, args.cache_dir, m.tp, m.tile_format)),
         "model_id": m.model_id,
         "revision": m.revision,
         "tp": m.tp,

@@ -47,8 +47,9 @@ def start_runner(
 
 
 def prepare_store(ckpt: Checkpoint, cache_dir: str | None, tp: int, fmt: str, rebuild: bool, progress: bool = False):
-    """The store for this TP degree and format, built or finished on first use. A store built for another TP degree
-    or format is the one `dsflash serve` reads (one per model directory; V4.1-Flash's takes tens of minutes to
-    build), so it is replaced only with rebuild=True; otherwise StoreMismatch says so before anything else runs."""
+    """The store for this TP degree and format, built or finished on first use (beside the model's stores for other
+    degrees or formats, which stay). One in its place from another revision of the model or store version is
+    replaced only with rebuild=True (V4.1-Flash's takes tens of minutes to build); otherwise StoreMismatch says so
+    before anything else runs."""
     check_tp(ckpt.config, tp)
     return build_store(ckpt, cache_dir, tp=tp, fmt=fmt, progress=progress, rebuild=rebuild)

@@ -53,7 +53,7 @@ class EngineOptions:
     # the head's FP8 screen for decode (runtime.dense.ScreenedHead) under dense_format fp8: None where the head is
     # large enough to pay (dense.SCREEN_HEAD_MIN_BYTES a rank), True / False to force it
     screen_head: bool | None = None
-    # replace a store built for another TP degree or format (torchrun: the other hosts' first ranks build theirs)
+    # replace a store from another revision or store version (torchrun: the other hosts' first ranks build theirs)
     rebuild_store: bool = False
     # how a CPU rank fills a slot on a miss: map (the store's page-cache pages mapped into the slot, runtime/filemap.py;
     # copies where the system cannot map) or copy (preadv into the slot's own memory)

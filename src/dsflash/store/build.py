@@ -297,15 +297,16 @@ def build_store(
     ckpt, root: str | Path | None = None, tp: int = 1, fmt: str = "bfp4_b", progress: bool = True, *,
     rebuild: bool = False,
 ) -> StoreManifest:  # fmt: skip
-    """Build (or finish) the store of `ckpt` under `<root>/<model-name>/weights/`. Finished layers of a matching
-    store are kept; a store of another model, revision, TP degree, tile format or format version is refused
-    (StoreMismatch) unless rebuild=True, which replaces it. Runs the packer self-check before writing anything.
-    Returns the manifest; its `.stats` says which layers were built and kept."""
+    """Build (or finish) the store of `ckpt` for this TP degree and tile format in `store_dir` (the model's first
+    store, `<root>/<model-name>/weights/`, or one beside it: the model's stores for other degrees or formats stay
+    as they are). Finished layers of a matching store are kept; a store in its place of another model, revision or
+    format version is refused (StoreMismatch) unless rebuild=True, which replaces it. Runs the packer self-check
+    before writing anything. Returns the manifest; its `.stats` says which layers were built and kept."""
     t0 = time.perf_counter()
     cfg = ckpt.config
     want, geom, name = _identity(ckpt, tp, fmt)
     specs = moe_layers(cfg)
-    directory = store_dir(ckpt.path, root)
+    directory = store_dir(ckpt.path, root, tp, fmt)
     directory.mkdir(parents=True, exist_ok=True)
     lock = _lock(directory)
     try:
@@ -414,20 +415,32 @@ def open_store(
     ckpt, root: str | Path | None = None, tp: int | None = 1, fmt: str | None = "bfp4_b", rebuild: bool = False,
     progress: bool = False,
 ) -> Store:  # fmt: skip
-    """The store of `ckpt` at this TP degree and tile format (None: whatever the store was built with), checked
-    against the model. A missing, unfinished or mismatched store is built (rebuild=True) or refused: StoreMissing /
-    StoreMismatch saying what differs; a truncated layer file: StoreCorrupt."""
-    directory = store_dir(ckpt.path, root)
+    """The store of `ckpt` at this TP degree and tile format (None: that of a store the model has, the first one
+    first), checked against the model. A missing, unfinished or mismatched store is built (rebuild=True) or
+    refused: StoreMissing / StoreMismatch saying what differs; a truncated layer file: StoreCorrupt."""
     if tp is None or fmt is None:
-        have = StoreManifest.read_identity(directory) or {}
-        tp = tp if tp is not None else have.get("tp") or 1
-        fmt = fmt if fmt is not None else have.get("tile_format") or "bfp4_b"
+        tp, fmt = _built_for(ckpt, root, tp, fmt)
     want, geom, _ = _identity(ckpt, tp, fmt)
     if rebuild:
         build_store(ckpt, root, tp, fmt, progress, rebuild=True)
+    directory = store_dir(ckpt.path, root, tp, fmt)
     store = Store.open(directory, expect=want)
     layout = _layout_differences(store.manifest, geom, moe_layers(ckpt.config))
     if layout:
         store.close()
         raise StoreMismatch(_mismatch_message(directory, [layout], "open"))
     return store
+
+
+def _built_for(ckpt, root, tp: int | None, fmt: str | None) -> tuple[int, str]:
+    """The TP degree and tile format of the model's first store (`weights`, then those beside it) that has the
+    given ones (None: any); the given ones, defaulted, where none has."""
+    first = store_dir(ckpt.path, root)
+    for directory in [first, *sorted(first.parent.glob(first.name + "-tp*"))]:
+        try:
+            have = StoreManifest.read_identity(directory)
+        except StoreCorrupt:
+            continue
+        if have and tp in (None, have.get("tp")) and fmt in (None, have.get("tile_format")):
+            return have["tp"], have["tile_format"]
+    return tp or 1, fmt or "bfp4_b"

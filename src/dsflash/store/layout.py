@@ -111,10 +111,25 @@ def model_name(model: str | Path) -> str:
     return _slug(str(model).split("@", 1)[0].rstrip("/").split("/")[-1])
 
 
-def store_dir(model_dir: str | Path, root: str | Path | None = None) -> Path:
-    """`<root>/<model-name>/weights` for a resolved model directory."""
-    base = Path(root).expanduser() if root is not None else default_root()
-    return base / model_name(model_dir) / "weights"
+def store_dir(
+    model_dir: str | Path, root: str | Path | None = None, tp: int | None = None, fmt: str | None = None
+) -> Path:
+    """Where a resolved model directory's store for TP degree `tp` and tile format `fmt` is (or goes): the model's
+    first store is `<root>/<model-name>/weights`; a store for another TP degree or format lives beside it as
+    `weights-tp<N>-<fmt>`, so that switching degree or format builds its own store once and never replaces one
+    (V4.1-Flash's takes tens of minutes). tp or fmt None: `weights`, whatever it holds."""
+    base = (Path(root).expanduser() if root is not None else default_root()) / model_name(model_dir)
+    first = base / "weights"
+    if tp is None or fmt is None:
+        return first
+    beside = base / f"weights-tp{tp}-{fmt}"
+    try:
+        have = StoreManifest.read_identity(first)
+    except StoreCorrupt:
+        return first  # where opening or building it says so
+    if have is None:
+        return beside if (beside / MANIFEST).is_file() else first
+    return first if (have.get("tp"), have.get("tile_format")) == (tp, fmt) else beside
 
 
 def fingerprint(model_dir: str | Path) -> str:
