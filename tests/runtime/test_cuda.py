@@ -96,3 +96,19 @@ def test_graph_decode_is_the_eager_decode(cache, name):
         finally:
             runner.close()
     assert compare_logits(out[False].numpy(), out[True].numpy())["max_abs"] < 1e-3
+
+
+def test_fewer_slots_than_a_token_activates_decode_without_graphs(cache):
+    """A captured step needs a token's experts resident together: below that many slots the rank decodes eagerly
+    (in waves) instead of failing its first step."""
+    from dsflash.runtime.launch import start_runner
+
+    files = open_dir(ROOT / "tiny_a" / "model")
+    runner = start_runner(files.ckpt, files.token_map, 64, expert_slots=1, cache_dir=cache, device="cuda", rebuild=True)
+    try:
+        assert runner.rank0.graph is None
+        runner.reset()
+        runner.forward(list(range(3, 20)), 0, False)
+        assert torch.isfinite(runner.forward([7], 17, False)).all()
+    finally:
+        runner.close()

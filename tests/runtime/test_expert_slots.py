@@ -186,3 +186,12 @@ def test_slot_count_clips_to_the_model_and_the_memory():
         slot_count(13, 96, mb, 12 * mb)
     with pytest.raises(ConfigError, match="free some memory first"):
         slot_count(None, 96, mb, mb - 1)
+
+
+def test_a_captured_decode_step_needs_a_tokens_experts_in_slots_together(data_dir):
+    from dsflash.runtime.rank import graph_slots_short
+
+    cfg = Checkpoint.open(data_dir / "dsv41_tiny" / "tiny_b" / "model").config
+    k = max(s.n_active for s in cfg.layers() if not s.is_dspark)
+    assert k == 3 and graph_slots_short(k - 1, cfg) == k and graph_slots_short(1, cfg) == k
+    assert graph_slots_short(k, cfg) == 0 and graph_slots_short(100, cfg) == 0

@@ -85,6 +85,12 @@ def slot_count(requested: int | None, total: int, slot_bytes: int, budget: int) 
     )
 
 
+def graph_slots_short(n_slots: int, cfg) -> int:
+    """The most experts a token activates in one layer where n_slots cannot hold them all at once, else 0."""
+    k = max((s.n_active for s in cfg.layers() if not s.is_dspark), default=0)
+    return k if n_slots < k else 0
+
+
 def _ranks_sharing(device: torch.device, tp: TP) -> int:
     """How many of this host's ranks take their slots from the same memory as this one."""
     local = local_world(tp.size)
@@ -167,6 +173,12 @@ class RankRuntime:
         n_slots = slot_count(opts.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
         self.graph = None
+        short = graph_slots_short(n_slots, cfg)
+        if graphs and short:
+            log.warning("decode runs without CUDA graphs: %d expert slots hold fewer than the %d experts a token "
+                        "activates, which a captured step needs resident together (eager decode takes them in "
+                        "waves)", n_slots, short)  # fmt: skip
+            graphs = False
         if graphs:
             from dsflash.runtime.cuda_graph import GraphDecode
 
