@@ -136,7 +136,7 @@ def test_fp8_kernel_matches_the_dequantized_matrix(kernels, n, k, m, block):
 def test_warm_up_runs_every_format_a_rank_uses(kernels):
     tl_, _ = kernels
     for block in (32, 128):  # the tiny fixtures' FP8 blocks and V4.1's
-        tl_.warm_up(torch.device(DEV), ("bf16", "fp8", "bfp8_b", "bfp4_b"), block, slot_table=True)
+        tl_.warm_up(torch.device(DEV), ("bf16", "fp8", "bfp8_b", "bfp4_b"), block)
 
 
 def test_kernel_refuses_what_it_cannot_read(kernels):

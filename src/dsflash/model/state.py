@@ -12,8 +12,8 @@ from dsflash.config import ModelConfig
 @dataclass
 class LayerState:
     window: torch.Tensor  # [b, W, hd] ring of window KV, slot = position % W
-    compressed: torch.Tensor | None = None  # [b, max_len // r, hd] KV-source latents (rotated, fake-quantized)
-    index_keys: torch.Tensor | None = None  # [b, max_len // r, index_head_dim] KV-source index keys
+    compressed: torch.Tensor | None = None  # [b, ceil(max_len / r), hd] KV-source latents (rotated, fake-quantized)
+    index_keys: torch.Tensor | None = None  # [b, ceil(max_len / r), index_head_dim] KV-source index keys
     pending_kv: torch.Tensor | None = None  # [b, r, hd] the incomplete group's projections (ratio > 1)
     pending_score: torch.Tensor | None = None  # [b, r, hd] and its gate scores
 
@@ -46,7 +46,7 @@ class DecodeState:
         for spec in cfg.layers():
             st = LayerState(window=zeros(batch, W, hd))
             if spec.is_kv_source:
-                n = max_len // spec.ratio
+                n = -(-max_len // spec.ratio)  # a static step writes its open group's row, the last one's too
                 st.compressed = zeros(batch, n, hd)
                 st.index_keys = zeros(batch, n, cfg.index_head_dim)
                 if spec.ratio > 1:

@@ -106,8 +106,9 @@ class GraphDecode:
 
     def __init__(self, model: torch.nn.Module, state, experts, device: torch.device, cuda=None, warm: int = 2):
         """experts: the rank's CachedExperts (on a CudaDevice: its experts_by_table). warm: eager static steps
-        before the capture (they initialise the libraries' workspaces, which a capture may not allocate, and copy
-        the model's constant tables to the device once); the decode state is reset after them. cuda: CudaGraphs
+        before the capture (they initialise the libraries' workspaces, which a capture may not allocate, compile
+        the kernels it launches, and copy the model's constant tables to the device once); the decode state is
+        reset after them. cuda: CudaGraphs
         (the default) or a stand-in of the same shape."""
         self.model, self.state, self.experts, self.device = model, state, experts, device
         self.cuda = cuda or CudaGraphs(device)
@@ -118,8 +119,19 @@ class GraphDecode:
         with self.cuda.capturing():
             for _ in range(warm):
                 model(self.token, self.pos, state, experts, last_only=True)
+            self._warm_table_kernels()
             self.logits = self._capture()
         state.reset()
+
+    def _warm_table_kernels(self) -> None:
+        """The captured step's expert call once, eagerly, on the rank's own slot pool and layout: the eager warm-up
+        steps above take the experts' other path, and a capture may not compile the kernels it launches. (Slot 0's
+        bytes, whatever they hold; the result is dropped.)"""
+        e, cfg, dev = self.experts, self.model.cfg, self.device
+        for k in sorted({s.n_active for s in cfg.layers() if not s.is_dspark}):
+            table = torch.zeros(k, dtype=torch.int32, device=dev)
+            x, w = torch.zeros(1, cfg.hidden_size, device=dev), torch.zeros(1, k, device=dev)
+            e.device.experts_by_table(e.slots, table, e.layout, x, w, e.limit)
 
     def _capture(self) -> torch.Tensor:
         cuda, pending = self.cuda, [self.cuda.graph()]

@@ -157,7 +157,7 @@ class RankRuntime:
             to_device(self.model, self.device)
             device = device or cuda.CudaDevice(self.device)
             fmts = ("bf16", "fp8", opts.expert_format)  # dense, experts
-            triton_linear.warm_up(self.device, fmts, cfg.fp8_block, slot_table=graphs)
+            triton_linear.warm_up(self.device, fmts, cfg.fp8_block)
         elif opts.dense_format != "fp32":
             self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul, screen_head=opts.screen_head)
         fused.fill(self.model, on_gpu)

@@ -154,14 +154,13 @@ def _blocks(m: int) -> tuple[int, int, int]:
 
 
 _SLOT_DTYPES = (torch.int32, torch.int64)
-_SLOT_WARM = 8192  # a matrix offset (and half a slot) divisible by 16 like the store's, past warm_up's 64 x 64
 
 
-def warm_up(device: torch.device, fmts: tuple[str, ...], fp8_block: int = FP8_BLOCK, slot_table: bool = False):
+def warm_up(device: torch.device, fmts: tuple[str, ...], fp8_block: int = FP8_BLOCK):
     """Compile the kernel for each format and row-block size before the first request needs it (a compile takes
     about a second; a prefill would otherwise pay it inside its TTFT). Shapes here have the same divisibility as
-    the model's, so they hit the same compiled variants. slot_table: also the slot-indirect variant a captured
-    decode step launches (one row, an int32 table: runtime/cuda_graph.py), which the capture must not compile."""
+    the model's, so they hit the same compiled variants. (The slot-indirect variant a captured decode step
+    launches is compiled by GraphDecode, on the rank's own slot pool.)"""
     for fmt in fmts:
         scale = None
         if fmt == "bf16":
@@ -173,10 +172,6 @@ def warm_up(device: torch.device, fmts: tuple[str, ...], fp8_block: int = FP8_BL
             w = torch.zeros(bfp.packed_size((64, 64), fmt), dtype=torch.uint8, device=device)
         for m in (1, 32, 64):
             linear(torch.zeros(m, 64, device=device), w, fmt, (64, 64), scale=scale, block=fp8_block)
-        if slot_table and fmt in bfp.MANTISSA_BITS:
-            pool = torch.zeros(2, 2 * _SLOT_WARM, dtype=torch.uint8, device=device)
-            slot = torch.ones(1, dtype=torch.int32, device=device)
-            linear(torch.zeros(1, 64, device=device), pool, fmt, (64, 64), slot=slot, offset=_SLOT_WARM)
 
 
 def linear(
