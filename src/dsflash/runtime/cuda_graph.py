@@ -38,7 +38,9 @@ class CudaGraphs:
         return torch.cuda.CUDAGraph()
 
     def begin(self, graph: torch.cuda.CUDAGraph) -> None:
-        graph.capture_begin(pool=self._pool)
+        # thread_local: a CUDA call of another thread (the NCCL watchdog polling the warm-up's collectives) must not
+        # invalidate this capture, as it would under "global"; this thread's own unsafe calls still fail it
+        graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
 
     def end(self, graph: torch.cuda.CUDAGraph) -> None:
         graph.capture_end()
