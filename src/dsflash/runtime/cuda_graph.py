@@ -110,8 +110,7 @@ class GraphDecode:
         """experts: the rank's CachedExperts (on a CudaDevice: its experts_by_table). warm: eager static steps
         before the capture (they initialise the libraries' workspaces, which a capture may not allocate, compile
         the kernels it launches, and copy the model's constant tables to the device once); the decode state is
-        reset after them. cuda: CudaGraphs
-        (the default) or a stand-in of the same shape."""
+        reset after them. cuda: CudaGraphs (the default) or a stand-in of the same shape."""
         self.model, self.state, self.experts, self.device = model, state, experts, device
         self.cuda = cuda or CudaGraphs(device)
         self.token = torch.zeros(1, 1, dtype=torch.long, device=device)
