@@ -81,7 +81,7 @@ class _ExpertStage:
         cols = ids[0].tolist()
         slots = experts.acquire_decode(self.layer, cols)
         try:
-            table.copy_(torch.tensor(slots, dtype=table.dtype))
+            table.numpy()[:] = slots  # in place: the pinned buffer the copy below reads
             self.table.copy_(table, non_blocking=True)
         finally:  # the copies above and the next graph queue on this stream: a later miss cannot overtake them
             experts.release(self.layer, cols)
