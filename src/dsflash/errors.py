@@ -55,3 +55,7 @@ class StoreCorrupt(DsflashError):
 
 class StoreMismatch(DsflashError):
     """The packed expert store was built for another model, revision, TP degree or format version."""
+
+
+class NoSpace(DsflashError):
+    """Not enough free disk for what must be written (checked before writing any of it)."""

@@ -13,7 +13,7 @@ import torch
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.writer import write_checkpoint
 from dsflash.config import ModelConfig
-from dsflash.errors import StoreCorrupt, StoreMismatch
+from dsflash.errors import NoSpace, StoreCorrupt, StoreMismatch
 from dsflash.formats import bfp
 from dsflash.store import layout
 from dsflash.store.build import PAUSE_ENV, build_store, open_store
@@ -308,6 +308,31 @@ def test_other_format_version_is_refused(tmp_path, built, tiny):
         open_store(tiny, root, 2, "bfp4_b")
     m = build_store(tiny, root, 2, "bfp4_b", progress=False, rebuild=True)
     assert m.stats["built"] == list(range(14)) and "store format version" in m.stats["reason"]
+
+
+def test_a_store_that_does_not_fit_the_disk_is_refused_before_writing(tmp_path, built, tiny, monkeypatch):
+    from dsflash.store import build
+
+    need = layout.store_bytes(tiny.config, "bfp4_b")
+    disk = shutil.disk_usage(tmp_path)
+
+    def free(left):
+        monkeypatch.setattr(build.shutil, "disk_usage", lambda p: disk._replace(free=left))
+
+    free(need - 1)
+    with pytest.raises(NoSpace, match=r"needs 0\.0 GB more in .*weights, but 0\.0 GB are free there"):
+        build_store(tiny, tmp_path / "new", 1, "bfp4_b", progress=False)
+    assert [p.name for p in store_dir(tiny.path, tmp_path / "new").iterdir()] == [".build.lock"]  # nothing claimed
+    free(need)
+    assert build_store(tiny, tmp_path / "new", 1, "bfp4_b", progress=False).total_bytes() == need  # just fits
+    # a rebuild counts the old store it removes first: no free space at all is enough to replace it
+    root = _copy(built, tmp_path)
+    path = store_dir(tiny.path, root) / MANIFEST
+    path.write_text(path.read_text().replace(f'"format_version": {FORMAT_VERSION}', '"format_version": 99', 1))
+    free(0)
+    assert build_store(tiny, root, 2, "bfp4_b", progress=False, rebuild=True).stats["built"] == list(range(14))
+    with pytest.raises(NoSpace):
+        build_store(tiny, root, 1, "bfp4_b", progress=False)  # beside it: nothing to remove
 
 
 def test_missing_unfinished_and_damaged(tmp_path, built, tiny):

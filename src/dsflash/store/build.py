@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from dsflash.checkpoint.names import block_prefix
-from dsflash.errors import CheckpointError, StoreCorrupt, StoreMismatch
+from dsflash.errors import CheckpointError, NoSpace, StoreCorrupt, StoreMismatch
 from dsflash.formats import bfp, fp4
 from dsflash.store.layout import (
     FORMAT_VERSION,
@@ -220,12 +221,28 @@ def _lock(directory: Path) -> int:
     return fd
 
 
+def _store_files(directory: Path, finished: bool = True) -> list[Path]:
+    """What a store consists of in a directory (never anything else there); finished=False: only unfinished files."""
+    names = (MANIFEST + PARTIAL,) if not finished else (MANIFEST, MANIFEST + PARTIAL)
+    ends = (".experts.bin" + PARTIAL,) if not finished else (".experts.bin", ".experts.bin" + PARTIAL)
+    return [p for p in directory.iterdir() if p.name in names or p.name.endswith(ends)]
+
+
 def _wipe(directory: Path) -> None:
-    """Remove what a store consists of (never anything else in the directory)."""
-    for p in directory.iterdir():
-        n = p.name
-        if n in (MANIFEST, MANIFEST + PARTIAL) or n.endswith(".experts.bin") or n.endswith(".experts.bin" + PARTIAL):
-            p.unlink()
+    for p in _store_files(directory):
+        p.unlink()
+
+
+def _check_space(directory: Path, need: int, afresh: bool) -> None:
+    """Refuse before writing anything when the layers to write do not fit in the disk's free space plus what the
+    build removes first (the whole old store when it starts afresh, else the unfinished files)."""
+    freed = sum(p.stat().st_size for p in _store_files(directory, finished=afresh))
+    free = shutil.disk_usage(directory).free + freed
+    if need > free:
+        raise NoSpace(
+            f"the expert store needs {need / 1e9:,.1f} GB more in {directory}, but {free / 1e9:,.1f} GB are free "
+            "there; free some space or choose another --cache-dir"
+        )
 
 
 def _plan(directory: Path, want: dict, geom: Geometry, specs, rebuild: bool) -> tuple[StoreManifest | None, str]:
@@ -315,6 +332,7 @@ def build_store(
         todo = [s for s in specs if s.layer_id not in kept]
         m = StoreManifest(want["model_id"], want["revision"], name, geom, dict(kept), [s.layer_id for s in specs])
         if todo:
+            _check_space(directory, sum(s.n_experts for s in todo) * geom.record_bytes, afresh=old is None)
             try:
                 bfp.self_check()
             except StoreCorrupt as e:
