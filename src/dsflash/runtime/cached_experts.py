@@ -50,8 +50,7 @@ class CachedExperts:
                 w = weights[:, [cols.index(e) for e in experts]]
                 return self.device.experts(self.slots, slots, self.layout, x, w, self.limit)
             finally:
-                for e in experts:
-                    self.pool.release((layer, e))
+                self.release(layer, experts)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         scan = x.shape[0] >= SCAN_TOKENS  # a prefill chunk: its misses go in cold (SlotPool.acquire)
         for start in range(0, len(experts), self.pool.n_slots):
@@ -62,8 +61,7 @@ class CachedExperts:
                     w = weights[tok, k, None]
                     y[tok] += self.device.expert(self.slots, slot, self.layout, x[tok], w, self.limit)
             finally:  # a cancelled or failed step leaves no expert pinned
-                for e in wave:
-                    self.pool.release((layer, e))
+                self.release(layer, wave)
         return y
 
     def _resident_first(self, layer: int, experts: list[int]) -> None:

@@ -156,8 +156,7 @@ class RankRuntime:
             self.dense_bytes = cuda.pack_dense(self.model, self.device, ckpt, opts.dense_format)
             to_device(self.model, self.device)
             device = device or cuda.CudaDevice(self.device)
-            fmts = ("bf16", "fp8", opts.expert_format)  # dense, experts
-            triton_linear.warm_up(self.device, fmts, cfg.fp8_block)
+            triton_linear.warm_up(self.device, ("bf16", "fp8", opts.expert_format), cfg.fp8_block)  # dense, experts
         elif opts.dense_format != "fp32":
             self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul, screen_head=opts.screen_head)
         fused.fill(self.model, on_gpu)

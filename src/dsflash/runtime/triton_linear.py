@@ -153,10 +153,7 @@ def _blocks(m: int) -> tuple[int, int, int]:
     return bm, 32, 64
 
 
-_SLOT_DTYPES = (torch.int32, torch.int64)
-
-
-def warm_up(device: torch.device, fmts: tuple[str, ...], fp8_block: int = FP8_BLOCK):
+def warm_up(device: torch.device, fmts: tuple[str, ...], fp8_block: int = FP8_BLOCK) -> None:
     """Compile the kernel for each format and row-block size before the first request needs it (a compile takes
     about a second; a prefill would otherwise pay it inside its TTFT). Shapes here have the same divisibility as
     the model's, so they hit the same compiled variants. (The slot-indirect variant a captured decode step
@@ -261,6 +258,9 @@ def linear(
         SLOT=slot is not None,
     )
     return y
+
+
+_SLOT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_slot(w: torch.Tensor, slot: torch.Tensor, offset: int, nbytes: int) -> None:

@@ -34,6 +34,7 @@ from dsflash.store.layout import (
     layer_file,
     model_identity,
     model_name,
+    model_stores,
     moe_layers,
     store_dir,
 )
@@ -453,8 +454,7 @@ def open_store(
 def _built_for(ckpt, root, tp: int | None, fmt: str | None) -> tuple[int, str]:
     """The TP degree and tile format of the model's first store (`weights`, then those beside it) that has the
     given ones (None: any); the given ones, defaulted, where none has."""
-    first = store_dir(ckpt.path, root)
-    for directory in [first, *sorted(first.parent.glob(first.name + "-tp*"))]:
+    for directory in model_stores(ckpt.path, root):
         try:
             have = StoreManifest.read_identity(directory)
         except StoreCorrupt:

@@ -118,11 +118,10 @@ def store_dir(
     first store is `<root>/<model-name>/weights`; a store for another TP degree or format lives beside it as
     `weights-tp<N>-<fmt>`, so that switching degree or format builds its own store once and never replaces one
     (V4.1-Flash's takes tens of minutes). tp or fmt None: `weights`, whatever it holds."""
-    base = (Path(root).expanduser() if root is not None else default_root()) / model_name(model_dir)
-    first = base / "weights"
+    first = _first_store(model_dir, root)
     if tp is None or fmt is None:
         return first
-    beside = base / f"weights-tp{tp}-{fmt}"
+    beside = first.with_name(f"{first.name}-tp{tp}-{fmt}")
     try:
         have = StoreManifest.read_identity(first)
     except StoreCorrupt:
@@ -130,6 +129,17 @@ def store_dir(
     if have is None:
         return beside if (beside / MANIFEST).is_file() else first
     return first if (have.get("tp"), have.get("tile_format")) == (tp, fmt) else beside
+
+
+def model_stores(model_dir: str | Path, root: str | Path | None = None) -> list[Path]:
+    """The directories a model's stores may be in (store_dir's naming): the first one, then those beside it."""
+    first = _first_store(model_dir, root)
+    return [first, *sorted(first.parent.glob(first.name + "-tp*"))]
+
+
+def _first_store(model_dir: str | Path, root: str | Path | None) -> Path:
+    base = Path(root).expanduser() if root is not None else default_root()
+    return base / model_name(model_dir) / "weights"
 
 
 def fingerprint(model_dir: str | Path) -> str:
