@@ -30,10 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import CACHE, TINY, generated, memcpy_gbps, real_width_config  # noqa: E402
 from dsflash.checkpoint.index import Checkpoint  # noqa: E402
-from dsflash.runtime.dense import decode_bytes  # noqa: E402
-from dsflash.runtime.loader import load_reference  # noqa: E402
-from dsflash.runtime.rank import EngineOptions, to_device  # noqa: E402
-from dsflash.runtime.workers import TPRunner  # noqa: E402
+from dsflash.runtime.cpu.dense import decode_bytes  # noqa: E402
+from dsflash.runtime.reference.loader import load_reference  # noqa: E402
+from dsflash.runtime.spec import EngineSpec  # noqa: E402
+from dsflash.runtime.tp.launch import start_engine  # noqa: E402
+from dsflash.runtime.tp.rank import to_device  # noqa: E402
 from dsflash.service.files import open_dir  # noqa: E402
 from dsflash.store.build import build_store  # noqa: E402
 
@@ -95,14 +96,14 @@ def isolated(fn, *args):
         return pool.apply(fn, args)
 
 
-def time_engine(opts: EngineOptions, threads: int, prompt: list[int], steps: int, device: str) -> dict:
+def time_engine(model_dir: Path, max_len: int, spec: EngineSpec, prompt: list[int], steps: int, device: str) -> dict:
     """Start the engine (TP 1), time it, stop it: times, counters over the timed part, and the bytes a step reads."""
-    ckpt, token_map = open_model(Path(opts.model_dir), threads)
-    runner = TPRunner(opts, 1, token_map, ckpt.config.vocab_size)
+    ckpt, token_map = open_model(model_dir, spec.threads)
+    runner = start_engine(ckpt, token_map, max_len, spec)
     try:
         runner.reset()
         runner.forward(prompt[:8], 0, False)  # warm-up, left out of the counters below
-        before = dict(runner.counters())
+        before = runner.counters()
         gbps = memcpy_gbps(device=device)
 
         def step(ids: list[int], pos: int) -> torch.Tensor:
@@ -114,7 +115,7 @@ def time_engine(opts: EngineOptions, threads: int, prompt: list[int], steps: int
             "ttft": ttft,
             "step": per_step,
             "memcpy": gbps,
-            "counts": {k: after[k] - before[k] for k in ("hits", "misses", "bytes_copied")},
+            "counts": (after - before).to_json(),
             "shard": runner.rank0.experts.layout.nbytes,
             "dense": dense_bytes(runner.rank0.model) + decode_bytes(runner.rank0.model),
         }
@@ -141,20 +142,21 @@ def bench(
     build_store(ckpt, cache, tp=1, fmt="bfp4_b", progress=False, rebuild=True)
     store_s = time.perf_counter() - t
     ckpt.close()
-    opts = EngineOptions(
-        str(model_dir), max_len, expert_slots=slots, qat=False, cache_dir=cache, threads=threads, device=device
+    spec = EngineSpec(
+        expert_slots=slots, expert_format="bfp4_b", qat=False, cache_dir=cache, threads=threads, device=device
     )
-    eng = isolated(time_engine, opts, threads, prompt, steps, device)
+    eng = isolated(time_engine, model_dir, max_len, spec, prompt, steps, device)
     eager = None
     if device != "cpu":  # the captured step against the same engine launching every kernel itself
-        eager = isolated(time_engine, dataclasses.replace(opts, cuda_graph=False), threads, prompt, steps, device)
+        eager = isolated(time_engine, model_dir, max_len, dataclasses.replace(spec, cuda_graph=False), prompt, steps,
+                         device)  # fmt: skip
     after_ref = isolated(time_reference, *ref_args) if bracket else before_ref
     ref_step = (before_ref["step"] + after_ref["step"]) / 2
     ref_ttft = (before_ref["ttft"] + after_ref["ttft"]) / 2
     ref_bytes = before_ref["bytes"]
 
     n = eng["counts"]
-    lookups, copied, misses = n["hits"] + n["misses"], n["bytes_copied"], n["misses"]
+    lookups, copied, misses = n["hits"] + n["misses"], n["bytes_streamed"], n["misses"]
     eng_step, eng_ttft, gbps = eng["step"], eng["ttft"], eng["memcpy"]
     routed = sum(s.n_active for s in cfg.layers() if not s.is_dspark)
     # per decoded token: every dense byte, the routed experts' slot bytes, and the bytes copied into slots

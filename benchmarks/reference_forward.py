@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import TINY, generated, memcpy_gbps, real_width_config  # noqa: E402
 from dsflash.checkpoint.index import Checkpoint  # noqa: E402
 from dsflash.gates.reference import reference_forward  # noqa: E402
-from dsflash.runtime.loader import load_reference  # noqa: E402
+from dsflash.runtime.reference.loader import load_reference  # noqa: E402
 from dsflash.text.token_map import compressed_token_map  # noqa: E402
 from dsflash.text.tokenizer import Tokenizer  # noqa: E402
 

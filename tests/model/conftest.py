@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsflash.checkpoint.index import Checkpoint
-from dsflash.runtime.loader import LoadedModel, load_reference
+from dsflash.runtime.reference.loader import LoadedModel, load_reference
 from dsflash.text.token_map import compressed_token_map
 from dsflash.text.tokenizer import Tokenizer
 

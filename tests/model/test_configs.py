@@ -12,7 +12,7 @@ from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.writer import write_checkpoint
 from dsflash.errors import UnsupportedInput
 from dsflash.gates.compare import compare_logits
-from dsflash.runtime.loader import load_reference
+from dsflash.runtime.reference.loader import load_reference
 from tests.model.conftest import ROOT
 
 BASE = json.loads((ROOT / "tiny_b" / "model" / "config.json").read_text())

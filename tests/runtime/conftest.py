@@ -1,6 +1,7 @@
 import pytest
 
 from dsflash.gates.run import engine_scores, gate_ids, reference_scores
+from dsflash.runtime.spec import EngineSpec
 from dsflash.service.files import open_dir
 from tests.model.conftest import ROOT
 
@@ -21,13 +22,19 @@ def setup(request):
     return files, ids, prefill, reference_scores(files, ids, prefill)
 
 
+def gate_spec(**kw) -> EngineSpec:
+    """An engine spec as the gate tests score it: the reference's model (no fake-quant points), bfp4_b experts
+    unless a test asks for another format."""
+    return EngineSpec(**{"qat": False, "expert_format": "bfp4_b", **kw})
+
+
 def bfp8_at_every_tp(setup, cache, **kw):
     """(tp, the engine's scores) at every TP degree the fixture's heads allow, bfp8_b experts, as few slots as a
     token activates (so the LRU evicts); each degree replaces the module's store."""
     files, ids, prefill, _ = setup
     n_active = files.ckpt.config.num_experts_per_tok
     for tp in [d for d in (1, 2, 4) if files.ckpt.config.num_attention_heads % d == 0]:
-        yield tp, engine_scores(
-            files, ids, prefill, tp=tp, expert_slots=n_active, expert_format="bfp8_b", cache_dir=cache, rebuild=True,
-            **kw,
-        )  # fmt: skip
+        spec = gate_spec(
+            tp=tp, expert_slots=n_active, expert_format="bfp8_b", cache_dir=cache, rebuild_store=True, **kw
+        )
+        yield tp, engine_scores(files, ids, prefill, spec)

@@ -11,9 +11,10 @@ import torch
 
 from dsflash.gates.compare import compare_logits
 from dsflash.gates.run import engine_scores, report
+from dsflash.runtime.spec import EngineSpec
 from dsflash.service.files import open_dir
 from tests.model.conftest import ROOT
-from tests.runtime.conftest import bfp8_at_every_tp
+from tests.runtime.conftest import bfp8_at_every_tp, gate_spec
 
 pytestmark = [
     pytest.mark.device,
@@ -37,18 +38,19 @@ def test_cuda_engine_is_the_reference_with_bfp8_at_every_tp(setup, cache):
 def test_cuda_engine_equals_the_cpu_engine_with_bfp4(setup, cache):
     files, ids, prefill, _ = setup
     kw = dict(tp=1, expert_slots=3, expert_format="bfp4_b", cache_dir=cache, rebuild=True)
-    gpu = engine_scores(files, ids, prefill, device="cuda", **kw)
-    cpu = engine_scores(files, ids, prefill, device="cpu", prefill_matmul="fp32", **kw)
+    gpu = engine_scores(files, ids, prefill, gate_spec(device="cuda", **kw))
+    cpu = engine_scores(files, ids, prefill, gate_spec(device="cpu", prefill_matmul="fp32", **kw))
     for part in ("prefill", "decode"):
         assert compare_logits(getattr(cpu, part), getattr(gpu, part))["max_abs"] < 2e-3, part
 
 
 def test_slots_live_on_the_gpu(cache):
     """The slot pool is GPU memory sized slots x shard bytes, allocated once; host memory holds no expert."""
-    from dsflash.runtime.launch import start_runner
+    from dsflash.runtime.tp.launch import start_engine
 
     files = open_dir(ROOT / "tiny_a" / "model")
-    runner = start_runner(files.ckpt, files.token_map, 64, expert_slots=5, cache_dir=cache, device="cuda", rebuild=True)
+    spec = EngineSpec(expert_slots=5, expert_format="bfp4_b", cache_dir=cache, device="cuda", rebuild_store=True)
+    runner = start_engine(files.ckpt, files.token_map, 64, spec)
     try:
         experts = runner.rank0.experts
         assert experts.slots.is_cuda and experts.slots.shape[0] == 5
@@ -56,7 +58,7 @@ def test_slots_live_on_the_gpu(cache):
         runner.reset()
         logits = runner.forward(list(range(3, 40)), 0, False)
         assert logits.device.type == "cpu" and torch.isfinite(logits).all()
-        assert runner.counters()["misses"] > 0
+        assert runner.counters().misses > 0
     finally:
         runner.close()
 
@@ -64,19 +66,18 @@ def test_slots_live_on_the_gpu(cache):
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
 def test_graph_decode_is_the_eager_decode(cache, name):
     """The decode step replayed as CUDA graphs (split at every MoE layer's slot lookup and every Engram lookup,
-    runtime/cuda_graph.py) gives the eager step's logits, with few enough slots that the stages between the graphs
+    runtime/cuda/graph.py) gives the eager step's logits, with few enough slots that the stages between the graphs
     copy misses in; a second sequence after a reset replays to the same bits."""
-    from dsflash.runtime.launch import start_runner
+    from dsflash.runtime.tp.launch import start_engine
 
     files = open_dir(ROOT / name / "model")
     cfg = files.ckpt.config
     ids, prefill = list(range(3, 67)), 20
     out = {}
     for graphs in (True, False):
-        runner = start_runner(
-            files.ckpt, files.token_map, 96, expert_slots=4, cache_dir=cache, device="cuda", rebuild=graphs,
-            cuda_graph=graphs,
-        )  # fmt: skip
+        spec = EngineSpec(expert_slots=4, expert_format="bfp4_b", cache_dir=cache, device="cuda", rebuild_store=graphs,
+                          cuda_graph=graphs)  # fmt: skip
+        runner = start_engine(files.ckpt, files.token_map, 96, spec)
         try:
             g = runner.rank0.graph
             assert (g is not None) == graphs
@@ -90,7 +91,7 @@ def test_graph_decode_is_the_eager_decode(cache, name):
                 rows += [runner.forward([t], p, False)[-1] for p, t in enumerate(ids) if p >= prefill]
                 runs.append(torch.stack(rows))
             if graphs:
-                assert runner.counters()["misses"] > 0
+                assert runner.counters().misses > 0
                 assert torch.equal(runs[0], runs[1])
             out[graphs] = runs[0]
         finally:
@@ -101,10 +102,11 @@ def test_graph_decode_is_the_eager_decode(cache, name):
 def test_fewer_slots_than_a_token_activates_decode_without_graphs(cache):
     """A captured step needs a token's experts resident together: below that many slots the rank decodes eagerly
     (in waves) instead of failing its first step."""
-    from dsflash.runtime.launch import start_runner
+    from dsflash.runtime.tp.launch import start_engine
 
     files = open_dir(ROOT / "tiny_a" / "model")
-    runner = start_runner(files.ckpt, files.token_map, 64, expert_slots=1, cache_dir=cache, device="cuda", rebuild=True)
+    spec = EngineSpec(expert_slots=1, expert_format="bfp4_b", cache_dir=cache, device="cuda", rebuild_store=True)
+    runner = start_engine(files.ckpt, files.token_map, 64, spec)
     try:
         assert runner.rank0.graph is None
         runner.reset()

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dsflash.errors import ContextTooLong, InvalidRequest, Overloaded
-from dsflash.runtime.engine import Engine
-from dsflash.runtime.queue import GenerationRequest
-from dsflash.runtime.reference_runner import ModelRunner
-from dsflash.runtime.sampler import Sampler, SamplingParams
+from dsflash.runtime.reference.runner import ModelRunner
+from dsflash.runtime.scheduler.engine import Engine
+from dsflash.runtime.scheduler.queue import GenerationRequest
+from dsflash.runtime.scheduler.sampler import Sampler, SamplingParams
 from tests.model.conftest import open_case
 
 

@@ -12,11 +12,11 @@ import torch
 
 from dsflash.checkpoint.writer import write_checkpoint
 from dsflash.errors import EngineDead
-from dsflash.runtime.engine import Engine
-from dsflash.runtime.queue import GenerationRequest
-from dsflash.runtime.rank import EngineOptions
-from dsflash.runtime.sampler import SamplingParams
-from dsflash.runtime.workers import TPRunner
+from dsflash.runtime.scheduler.engine import Engine
+from dsflash.runtime.scheduler.queue import GenerationRequest
+from dsflash.runtime.scheduler.sampler import SamplingParams
+from dsflash.runtime.spec import EngineSpec
+from dsflash.runtime.tp.launch import start_engine
 from dsflash.service.files import open_dir
 from dsflash.store.build import build_store
 from tests.model.conftest import ROOT
@@ -47,8 +47,8 @@ def _engine_memory(model_dir: str, cache: str) -> dict:
     """Run in a fresh process, as a rank is: the resident set of that process alone, not of the test runner (whose
     earlier tests and kernel compilations would count against the engine)."""
     files = open_dir(model_dir)
-    opts = EngineOptions(model_dir, 512, expert_slots=16, cache_dir=cache, qat=False, threads=1)
-    runner = TPRunner(opts, 1, files.token_map, files.ckpt.config.vocab_size)
+    spec = EngineSpec(expert_slots=16, expert_format="bfp4_b", cache_dir=cache, qat=False, threads=1)
+    runner = start_engine(files.ckpt, files.token_map, 512, spec)
     try:
         exp = runner.rank0.experts
         prompt = list(range(3, 259))
@@ -83,14 +83,14 @@ def test_slots_fit_the_memory_left(wide, monkeypatch):
     """The default pool shrinks to the memory left for it; an explicit count that does not fit is refused with one
     that would, before anything is allocated (not killed for memory half-way through a boot)."""
     from dsflash.errors import ConfigError
-    from dsflash.runtime.device import CpuDevice
+    from dsflash.runtime.experts.device import CpuDevice
 
     files, cache = wide
     store = build_store(files.ckpt, cache, tp=1, fmt="bfp4_b", progress=False)
     stride = store.geometry.stride
     monkeypatch.setattr(CpuDevice, "slot_budget", lambda self: 10 * stride + stride // 2)
-    opts = EngineOptions(str(files.path), 64, cache_dir=cache, qat=False, threads=1)
-    runner = TPRunner(opts, 1, files.token_map, files.ckpt.config.vocab_size)
+    spec = EngineSpec(expert_format="bfp4_b", cache_dir=cache, qat=False, threads=1)
+    runner = start_engine(files.ckpt, files.token_map, 64, spec)
     try:
         assert runner.rank0.experts.pool.n_slots == 10  # not 4500, nor every expert of the model
         runner.reset()
@@ -98,18 +98,18 @@ def test_slots_fit_the_memory_left(wide, monkeypatch):
     finally:
         runner.close()
     with pytest.raises(ConfigError, match=r"16 expert slots of [\d.]+ MB need .* use --expert-slots 10 or fewer"):
-        TPRunner(replace(opts, expert_slots=16), 1, files.token_map, files.ckpt.config.vocab_size)
+        start_engine(files.ckpt, files.token_map, 64, replace(spec, expert_slots=16))
     monkeypatch.setattr(CpuDevice, "slot_budget", lambda self: stride - 1)
     with pytest.raises(ConfigError, match="free some memory first"):
-        TPRunner(opts, 1, files.token_map, files.ckpt.config.vocab_size)
+        start_engine(files.ckpt, files.token_map, 64, spec)
 
 
 @pytest.fixture()
 def tp2(tmp_path):
     files = open_dir(ROOT / "tiny_a" / "model")
     build_store(files.ckpt, str(tmp_path), tp=2, fmt="bfp4_b", progress=False)
-    opts = EngineOptions(str(files.path), 256, expert_slots=8, cache_dir=str(tmp_path), threads=1)
-    return TPRunner(opts, 2, files.token_map, files.ckpt.config.vocab_size)
+    spec = EngineSpec(tp=2, expert_slots=8, expert_format="bfp4_b", cache_dir=str(tmp_path), threads=1)
+    return start_engine(files.ckpt, files.token_map, 256, spec)
 
 
 def test_a_dead_rank_fails_the_engine_fast_and_clearly(tp2):

@@ -12,14 +12,14 @@ from dsflash.gates.compare import compare_logits
 from dsflash.gates.reference import reference_forward, runner_forward
 from dsflash.gates.run import Scores, _score, engine_scores, gate_ids, reference_scores, report
 from dsflash.model.experts import ResidentExperts
-from dsflash.runtime.dense import HEAD_EXACT
-from dsflash.runtime.loader import LoadedModel, load_reference
-from dsflash.runtime.rank import EngineOptions
-from dsflash.runtime.workers import TPRunner
+from dsflash.runtime.cpu.dense import HEAD_EXACT
+from dsflash.runtime.reference.loader import LoadedModel, load_reference
+from dsflash.runtime.spec import EngineSpec
+from dsflash.runtime.tp.launch import start_engine
 from dsflash.service.files import open_dir
 from dsflash.store.build import build_store
 from tests.model.conftest import ROOT
-from tests.runtime.conftest import GATE_TOKENS, bfp8_at_every_tp
+from tests.runtime.conftest import GATE_TOKENS, bfp8_at_every_tp, gate_spec
 
 
 def _tp_degrees(files):
@@ -49,12 +49,9 @@ def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
         files,
         ids,
         prefill,
-        tp=1,
-        expert_slots=3,
-        expert_format="bfp4_b",
-        cache_dir=cache,
-        prefill_matmul="fp32",
-        rebuild=True,
+        gate_spec(
+            tp=1, expert_slots=3, expert_format="bfp4_b", cache_dir=cache, prefill_matmul="fp32", rebuild_store=True
+        ),
     )
     ref = load_reference(files.ckpt, files.token_map, qat=False, dspark=False)
     rounded = {k: tuple(_bfp4(w) for w in ws) for k, ws in ref.experts.weights.items()}
@@ -64,7 +61,10 @@ def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
         assert compare_logits(getattr(best, part), getattr(got, part))["max_abs"] < 1e-3
     r4 = report(want, got)
     r8 = report(
-        want, engine_scores(files, ids, prefill, expert_slots=3, expert_format="bfp8_b", cache_dir=cache, rebuild=True)
+        want,
+        engine_scores(
+            files, ids, prefill, gate_spec(expert_slots=3, expert_format="bfp8_b", cache_dir=cache, rebuild_store=True)
+        ),
     )
     for part in ("prefill", "decode"):
         assert r8[part]["mean_kl"] < r4[part]["mean_kl"] <= 0.035
@@ -79,7 +79,8 @@ def test_tp4_equals_tp1_with_the_default_formats(cache):
     files = open_dir(ROOT / "tiny_a" / "model")
     ids, prefill = gate_ids(files, 90)
     one, four = (
-        engine_scores(files, ids, prefill, tp=tp, expert_slots=4, cache_dir=cache, rebuild=True) for tp in (1, 4)
+        engine_scores(files, ids, prefill, gate_spec(tp=tp, expert_slots=4, cache_dir=cache, rebuild_store=True))
+        for tp in (1, 4)
     )
     for part in ("prefill", "decode"):
         assert compare_logits(getattr(one, part), getattr(four, part))["max_abs"] < 1e-4
@@ -95,11 +96,10 @@ def test_screened_head_is_tp_invariant_and_exact_where_it_counts(cache):
 
     def scores(tp: int, screen: bool) -> Scores:
         build_store(files.ckpt, cache, tp=tp, fmt="bfp8_b", progress=False, rebuild=True)
-        opts = EngineOptions(str(files.path), len(ids), expert_slots=4, expert_format="bfp8_b", cache_dir=cache,
-                             qat=False, screen_head=screen)  # fmt: skip
-        runner = TPRunner(opts, tp, files.token_map, files.ckpt.config.vocab_size)
+        spec = gate_spec(tp=tp, expert_slots=4, expert_format="bfp8_b", cache_dir=cache, screen_head=screen)
+        runner = start_engine(files.ckpt, files.token_map, len(ids), spec)
         try:
-            return Scores(*_score(runner_forward(runner), ids, prefill), runner.counters())
+            return Scores(*_score(runner_forward(runner), ids, prefill), runner.counters(), 4)
         finally:
             runner.close()
 
@@ -129,10 +129,8 @@ def test_greedy_generation_follows_the_reference_where_decisive(cache):
         seq.append(int(logits.argmax()))
         logits = fwd(torch.tensor([seq[-1:]]), len(seq) - 1, False)[0, -1]
     build_store(files.ckpt, cache, tp=2, fmt="bfp8_b", progress=False, rebuild=True)
-    opts = EngineOptions(
-        str(files.path), len(seq) + 1, expert_slots=3, expert_format="bfp8_b", cache_dir=cache, qat=False
-    )
-    runner = TPRunner(opts, 2, files.token_map, files.ckpt.config.vocab_size)
+    spec = gate_spec(tp=2, expert_slots=3, expert_format="bfp8_b", cache_dir=cache)
+    runner = start_engine(files.ckpt, files.token_map, len(seq) + 1, spec)
     try:
         runner.reset()
         out = [int(runner.forward(seq[: len(prompt)], 0, False)[-1].argmax())]
@@ -148,9 +146,8 @@ def test_greedy_generation_follows_the_reference_where_decisive(cache):
 
 def test_tp_degree_must_divide_the_heads(cache):
     files = open_dir(ROOT / "tiny_b" / "model")  # 6 heads
-    opts = EngineOptions(str(files.path), 16, cache_dir=cache)
     with pytest.raises(ConfigError, match="does not divide this model's 6 attention heads"):
-        TPRunner(opts, 4, files.token_map, files.ckpt.config.vocab_size)
+        start_engine(files.ckpt, files.token_map, 16, EngineSpec(tp=4, cache_dir=cache))
 
 
 def test_gates_cli_passes_at_its_defaults_with_evictions(setup, cache, capsys):

@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from dsflash.checkpoint.index import Checkpoint
-from dsflash.runtime.cached_experts import CachedExperts
-from dsflash.runtime.device import CpuDevice
-from dsflash.store.build import open_store
+from dsflash.runtime.experts.cached import CachedExperts
+from dsflash.runtime.experts.device import CpuDevice
+from dsflash.store.build import build_store
+from dsflash.store.reader import open_store
 
 
 @pytest.fixture(params=["map", "copy"])
 def experts(data_dir, tmp_path, request):
     ckpt = Checkpoint.open(data_dir / "dsv41_tiny" / "tiny_a" / "model")
     cfg = ckpt.config
-    store = open_store(ckpt, tmp_path, tp=1, fmt="bfp8_b", rebuild=True)
+    build_store(ckpt, tmp_path, tp=1, fmt="bfp8_b", progress=False, rebuild=True)
+    store = open_store(ckpt, tmp_path, tp=1, fmt="bfp8_b")
     layer = next(s.layer_id for s in cfg.layers() if s.n_experts)
     cached = CachedExperts(store, CpuDevice(slot_fill=request.param), 4, 0, cfg.swiglu_limit)
     yield cached, layer, cfg.hidden_size
@@ -112,7 +114,7 @@ def test_a_kernel_that_cannot_populate_falls_back_to_copies_and_a_failed_read_is
     read error while populating is an OSError at the miss (the caller then forgets the slot), not a later SIGBUS."""
     import errno
 
-    from dsflash.runtime import filemap
+    from dsflash.runtime.experts import filemap
 
     data = np.random.default_rng(0).integers(0, 256, 4 << 16, dtype=np.uint8)
     path = tmp_path / "store.bin"
@@ -140,7 +142,7 @@ def test_a_kernel_that_cannot_populate_falls_back_to_copies_and_a_failed_read_is
 
 def test_where_nothing_can_be_mapped_slots_are_copied(tmp_path, monkeypatch):
     """No libc mapping at all (not Linux): map mode copies, without trying to give back memory it never lent."""
-    from dsflash.runtime import filemap
+    from dsflash.runtime.experts import filemap
 
     data = np.random.default_rng(1).integers(0, 256, 2 << 16, dtype=np.uint8)
     path = tmp_path / "store.bin"
@@ -161,7 +163,7 @@ def test_where_nothing_can_be_mapped_slots_are_copied(tmp_path, monkeypatch):
 def test_token_indices_for_a_gpu_travel_together():
     """On a device the per-expert (token, column) indices are one transfer split per expert: same shapes, same
     order as the host's."""
-    from dsflash.runtime.cached_experts import _token_indices
+    from dsflash.runtime.experts.cached import _token_indices
 
     routed = torch.tensor([[0, 2], [2, 1], [0, 1], [3, 2]])
     host = _token_indices(routed, [0, 1, 2, 3], torch.device("cpu"))
@@ -174,7 +176,7 @@ def test_token_indices_for_a_gpu_travel_together():
 
 def test_slot_count_clips_to_the_model_and_the_memory():
     from dsflash.errors import ConfigError
-    from dsflash.runtime.rank import DEFAULT_SLOTS, slot_count
+    from dsflash.runtime.tp.rank import DEFAULT_SLOTS, slot_count
 
     mb = 1 << 20
     assert slot_count(None, 10_000, mb, 10**6 * mb) == DEFAULT_SLOTS
@@ -189,7 +191,7 @@ def test_slot_count_clips_to_the_model_and_the_memory():
 
 
 def test_a_captured_decode_step_needs_a_tokens_experts_in_slots_together(data_dir):
-    from dsflash.runtime.rank import graph_slots_short
+    from dsflash.runtime.tp.rank import graph_slots_short
 
     cfg = Checkpoint.open(data_dir / "dsv41_tiny" / "tiny_b" / "model").config
     k = max(s.n_active for s in cfg.layers() if not s.is_dspark)

@@ -1,4 +1,4 @@
-"""The fused CPU kernels the engine puts into the model's hooks (runtime/fused.py) change nothing but rounding."""
+"""The fused CPU kernels the engine puts into the model's hooks (runtime/cpu/fused.py) change nothing but rounding."""
 
 import pytest
 import torch
@@ -7,9 +7,9 @@ from dsflash.model.block import Block
 from dsflash.model.engram import Engram
 from dsflash.model.layers import RMSNorm
 from dsflash.model.moe import Gate, SharedExpert
-from dsflash.runtime import native
-from dsflash.runtime.rank import EngineOptions
-from dsflash.runtime.workers import TPRunner
+from dsflash.runtime.cpu import native
+from dsflash.runtime.spec import EngineSpec
+from dsflash.runtime.tp.launch import start_engine
 from dsflash.service.files import open_dir
 from dsflash.store.build import build_store
 from tests.model.conftest import ROOT
@@ -41,8 +41,8 @@ def test_engine_with_fused_kernels_is_the_engine_without(tmp_path):
         pytest.skip("no C compiler: the hooks stay empty")
     files = open_dir(ROOT / "tiny_a" / "model")
     build_store(files.ckpt, tmp_path, tp=1, fmt="bfp4_b", progress=False)
-    opts = EngineOptions(str(files.path), 128, expert_slots=8, qat=False, cache_dir=str(tmp_path), threads=2)
-    runner = TPRunner(opts, 1, files.token_map, files.ckpt.config.vocab_size)
+    spec = EngineSpec(expert_slots=8, expert_format="bfp4_b", qat=False, cache_dir=str(tmp_path), threads=2)
+    runner = start_engine(files.ckpt, files.token_map, 128, spec)
     try:
         model = runner.rank0.model
         filled = {}

@@ -1,4 +1,4 @@
-"""The captured decode step (runtime/cuda_graph.py) on the CPU: a recorder of torch operations stands in for CUDA
+"""The captured decode step (runtime/cuda/graph.py) on the CPU: a recorder of torch operations stands in for CUDA
 graphs. Like a graph, it runs the model's Python once, at capture, and a replay repeats only the recorded
 operations on the same tensors: a value the step took from Python at capture (a position, a slot, a length) stays
 what it was then. Replays that follow a dynamic prefill must give the reference's logits, with the stages between
@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from dsflash.gates.compare import compare_logits, within_golden_tolerance
 from dsflash.model.experts import expert_ffn
-from dsflash.runtime.cuda_graph import GraphDecode
-from dsflash.runtime.slots import SlotPool
+from dsflash.runtime.cuda.graph import GraphDecode
+from dsflash.runtime.experts.slots import SlotPool
 from tests.model.conftest import open_case
 
 
@@ -56,7 +56,7 @@ def _refresh(out, new) -> None:
 
 
 class RecordedGraphs:
-    """runtime.cuda_graph.CudaGraphs on the CPU: capture records, replay repeats."""
+    """runtime.cuda.graph.CudaGraphs on the CPU: capture records, replay repeats."""
 
     def graph(self) -> _Graph:
         return _Graph()

@@ -101,9 +101,11 @@ def dsflash_env(state: Path, cache: Path) -> dict:
     return env
 
 
-def start_server(tmp: Path, cache: Path, *args: str, port: int | None = None, api_key: str | None = None) -> Server:
+def start_server(
+    tmp: Path, cache: Path, *args: str, port: int | None = None, api_key: str | None = None, env: dict | None = None
+) -> Server:
     port = port or free_port()
-    env = dsflash_env(tmp / "state", cache)
+    env = dict(env) if env is not None else dsflash_env(tmp / "state", cache)
     if api_key:
         env["DSFLASH_API_KEY"] = api_key
     out = tmp / f"serve-{port}.out"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from dsflash.runtime.counters import ExpertCounters
+
 
 class ScriptedRunner:
     """forward() returns logits whose argmax is the next scripted token (then EOS forever)."""
@@ -17,7 +19,7 @@ class ScriptedRunner:
             step_s,
         )
         self.k = 0
-        self.calls = {"expert_hits": 0, "expert_misses": 0, "bytes_streamed": 0}
+        self.calls = ExpertCounters()
 
     def reset(self) -> None:
         self.k = 0
@@ -33,10 +35,9 @@ class ScriptedRunner:
         logits = torch.zeros(len(tokens) if all_logits else 1, self.vocab_size)
         logits[:, nxt] = 12.0
         logits[:, (nxt + 1) % self.vocab_size] = 9.0  # a runner-up, so top_logprobs has a clear second entry
-        self.calls["expert_hits"] += 3
-        self.calls["expert_misses"] += 1
-        self.calls["bytes_streamed"] += 1000
+        c = self.calls
+        self.calls = ExpertCounters(c.hits + 3, c.misses + 1, c.evictions, c.bytes_streamed + 1000)
         return logits
 
-    def counters(self) -> dict:
-        return dict(self.calls)
+    def counters(self) -> ExpertCounters:
+        return self.calls

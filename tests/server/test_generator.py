@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dsflash.runtime.engine import Engine
+from dsflash.runtime.scheduler.engine import Engine
 from dsflash.server import render
 from dsflash.service.api import ChatRequest, CompletionRequest, GenerationOptions
 from dsflash.service.generator import Generator
@@ -189,8 +189,9 @@ def test_expert_counters_become_per_request_numbers(tok, make):
     stream = gen.open_completion(CompletionRequest("x", GREEDY))
     list(stream)
     s = stream.stats
-    assert s.expert_hits == 3 * s.completion_tokens and s.expert_misses == s.completion_tokens
-    assert s.hit_rate == pytest.approx(0.75) and s.ttft_s is not None and s.bytes_streamed == 1000 * s.completion_tokens
+    assert s.experts.hits == 3 * s.completion_tokens and s.experts.misses == s.completion_tokens
+    assert s.hit_rate == pytest.approx(0.75) and s.ttft_s is not None
+    assert s.experts.bytes_streamed == 1000 * s.completion_tokens
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completion"])

@@ -141,3 +141,27 @@ def test_a_store_of_another_revision_is_refused_until_rebuild_and_other_tp_store
     finally:
         srv.stop()
     assert {p.name: p.stat().st_mtime_ns for p in stores[0].iterdir()} == before
+
+
+def test_xdg_cache_home_is_honoured_by_store_build_and_serve_alike(tmp_path):
+    """With XDG_CACHE_HOME set (and no DSFLASH_CACHE), `dsflash store build` writes the store where `dsflash serve`
+    looks for it: the server reuses it instead of rebuilding, and nothing is written under $HOME/.cache."""
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "tiny_a" / "model", model)
+    home, xdg = tmp_path / "home", tmp_path / "xdg"
+    home.mkdir()
+    env = dsflash_env(tmp_path / "state", tmp_path / "unused")
+    env.pop("DSFLASH_CACHE")
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(xdg))
+    r = dsflash(env, "store", "build", str(model), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    store = Path(json.loads(r.stdout)["store"])
+    assert store.is_relative_to(xdg / "dsflash"), store
+    srv = start_server(tmp_path, tmp_path / "unused", str(model), env=env)
+    try:
+        srv.wait_ready()
+        assert "expert store      reused" in srv.wait_output("Ready in")
+    finally:
+        srv.stop()
+    assert not (home / ".cache").exists(), sorted(p for p in home.rglob("*"))
+    assert (xdg / "dsflash" / "kernels").is_dir() or not shutil.which("cc")  # the kernels follow the cache too

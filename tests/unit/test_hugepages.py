@@ -2,7 +2,7 @@
 
 import torch
 
-from dsflash.runtime import hugepages
+from dsflash.runtime.cpu import hugepages
 
 
 def test_large_buffers_are_huge_page_aligned_and_zero():

@@ -10,23 +10,39 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "dsflash"
 # package -> internal packages it may import (besides itself)
 ALLOWED = {
     "errors": set(),
+    "paths": set(),
     "config": {"errors"},
     "formats": {"errors"},
-    "checkpoint": {"formats", "config", "errors"},
+    "checkpoint": {"formats", "config", "errors", "paths"},
     "text": {"config", "errors"},
     "model": {"config", "formats", "errors"},
-    "store": {"formats", "checkpoint", "config", "errors"},
-    "runtime": {"model", "store", "formats", "checkpoint", "config", "errors"},
-    "service": {"runtime", "text", "model", "checkpoint", "store", "formats", "config", "errors"},
-    "server": {"service", "text", "config", "errors"},
+    "store": {"formats", "checkpoint", "config", "errors", "paths"},
+    "runtime": {"model", "store", "formats", "checkpoint", "config", "errors", "paths"},
+    "service": {"runtime", "text", "model", "checkpoint", "store", "formats", "config", "errors", "paths"},
+    "server": {"service", "text", "config", "errors", "paths"},
     "bench": {"text", "errors"},
     "sim": {"errors"},
-    "gates": {"model", "checkpoint", "runtime", "service", "store", "text", "formats", "config", "errors"},
+    "gates": {"model", "checkpoint", "runtime", "service", "store", "text", "formats", "config", "errors", "paths"},
     "cli": None,  # anything
     "__init__": set(),
     "__main__": {"cli"},
 }
-NO_TORCH = {"text", "bench", "sim", "errors", "config", "__init__"}
+NO_TORCH = {"text", "bench", "sim", "errors", "paths", "config", "__init__"}
+
+# runtime's wings -> the other wings each may import. The scheduler drives a Runner and imports no kernels; the CPU
+# kernels know nothing of experts, ranks or CUDA; only the TP wing assembles ranks from the others.
+WINGS = {
+    "spec": {"tp", "cpu"},  # resolve() reads torchrun's environment and whether the CPU has AMX
+    "counters": set(),
+    "scheduler": {"counters"},
+    "cpu": set(),
+    "experts": {"cpu", "counters"},
+    "cuda": {"experts", "cpu"},
+    "reference": {"counters"},
+    "tp": {"spec", "counters", "experts", "cpu", "cuda"},
+    "__init__": set(),
+}
+GPU_ONLY = ("dsflash.runtime.cuda", "triton")  # imported at module level only by the CUDA wing
 
 
 def _modules():
@@ -55,6 +71,49 @@ def test_imports_point_down(package, path):
             continue
         target = parts[1]
         assert target == package or target in allowed, f"{package} may not import {target} ({path.name})"
+
+
+def _wing(path: Path) -> str | None:
+    rel = path.relative_to(SRC).parts
+    return rel[1].removesuffix(".py") if rel[0] == "runtime" else None
+
+
+def _top_level_imports(path: Path):
+    """Imports that run when the module is imported (not inside a function)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+RUNTIME = [p for p in sorted((SRC / "runtime").rglob("*.py"))]
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=lambda v: str(v).split("src/dsflash/")[-1])
+def test_runtime_wings_import_only_their_allowed_wings(path):
+    wing = _wing(path)
+    assert wing in WINGS, f"{path}: runtime/{wing} is not a known wing (tests/unit/test_layers.py WINGS)"
+    for name in _imports(path):
+        parts = name.split(".")
+        if parts[:2] != ["dsflash", "runtime"] or len(parts) < 3:
+            continue
+        assert parts[2] == wing or parts[2] in WINGS[wing], f"runtime/{wing} may not import runtime/{parts[2]}"
+
+
+@pytest.mark.parametrize("path", [p for p in sorted(SRC.rglob("*.py")) if _wing(p) != "cuda"],
+                         ids=lambda v: str(v).split("src/dsflash/")[-1])  # fmt: skip
+def test_no_cuda_module_is_imported_at_import_time_outside_the_cuda_wing(path):
+    for name in _top_level_imports(path):
+        assert not name.startswith(GPU_ONLY), f"{path.name} imports {name} at import time (import it where used)"
+
+
+def test_the_wing_rules_catch_a_kernel_import_in_the_scheduler(tmp_path):
+    bad = tmp_path / "engine.py"
+    bad.write_text("from dsflash.runtime.cpu import native\n")
+    names = list(_imports(bad))
+    assert any(n.split(".")[2] not in WINGS["scheduler"] | {"scheduler"} for n in names)
 
 
 def test_every_package_is_known():

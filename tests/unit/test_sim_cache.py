@@ -65,7 +65,7 @@ def test_make_cache():
 
 def test_cold_scans_match_the_engine_pool():
     """The simulator's cold-insertion LRU makes the same choices as the engine's SlotPool on repeated scans."""
-    from dsflash.runtime.slots import SlotPool
+    from dsflash.runtime.experts.slots import SlotPool
 
     sim, pool = make_cache("lru-cold", 96, hot_order=[]), SlotPool(96)
     for _ in range(3):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dsflash.runtime.slots import SlotPool, SlotsExhausted
+from dsflash.runtime.experts.slots import SlotPool, SlotsExhausted
 
 
 def test_lru_eviction_and_counters():

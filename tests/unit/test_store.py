@@ -16,7 +16,7 @@ from dsflash.config import ModelConfig
 from dsflash.errors import NoSpace, StoreCorrupt, StoreMismatch
 from dsflash.formats import bfp
 from dsflash.store import layout
-from dsflash.store.build import PAUSE_ENV, build_store, open_store
+from dsflash.store.build import PAUSE_ENV, build_store
 from dsflash.store.layout import (
     FORMAT_VERSION,
     MANIFEST,
@@ -26,7 +26,7 @@ from dsflash.store.layout import (
     model_name,
     store_dir,
 )
-from dsflash.store.reader import Store
+from dsflash.store.reader import Store, open_store
 from dsflash.store.verify import verify_store
 
 TINY = Path(__file__).resolve().parents[1] / "data" / "dsv41_tiny"
@@ -294,7 +294,8 @@ def test_other_revision_is_refused_then_rebuilt(tmp_path):
     ckpt = Checkpoint.open(write_checkpoint(_wide_config(64), d, seed=2))  # same shapes, other weights
     with pytest.raises(StoreMismatch, match=r"revision 'sha256:\w+' \(store\) vs 'sha256:\w+' \(requested\)"):
         open_store(ckpt, tmp_path / "c", 2, "bfp4_b")
-    with open_store(ckpt, tmp_path / "c", 2, "bfp4_b", rebuild=True) as store:
+    build_store(ckpt, tmp_path / "c", 2, "bfp4_b", progress=False, rebuild=True)
+    with open_store(ckpt, tmp_path / "c", 2, "bfp4_b") as store:
         assert store.manifest.revision == model_identity(d)[1]
         assert store.record(0, 0).tobytes() != first[: store.geometry.record_bytes]
         verify_store(store, ckpt=ckpt, decode=8)

@@ -14,11 +14,12 @@ triton = pytest.importorskip("triton")
 
 from dsflash.formats import bfp, fp8  # noqa: E402
 from dsflash.gates.compare import compare_logits  # noqa: E402
-from dsflash.runtime.cached_experts import CachedExperts  # noqa: E402
-from dsflash.runtime.loader import build_model, load_reference  # noqa: E402
-from dsflash.runtime.rank import to_device  # noqa: E402
+from dsflash.runtime.experts.cached import CachedExperts  # noqa: E402
+from dsflash.runtime.reference.loader import build_model, load_reference  # noqa: E402
+from dsflash.runtime.tp.rank import to_device  # noqa: E402
 from dsflash.service.files import open_dir  # noqa: E402
-from dsflash.store.build import build_store, open_store  # noqa: E402
+from dsflash.store.build import build_store  # noqa: E402
+from dsflash.store.reader import open_store  # noqa: E402
 from tests.model.conftest import ROOT  # noqa: E402
 
 
@@ -62,7 +63,8 @@ def kernels():
         _interpreter_fixes()
     elif not torch.cuda.is_available():
         pytest.skip("compiled Triton kernels need a GPU")
-    from dsflash.runtime import cuda, triton_linear
+    from dsflash.runtime.cuda import device as cuda
+    from dsflash.runtime.cuda import triton_linear
 
     return triton_linear, cuda
 
@@ -188,7 +190,7 @@ def test_slot_form_reads_the_slot_the_tensor_holds_at_launch(kernels, fmt, dtype
 def test_experts_by_table_is_the_sum_of_experts(kernels):
     """CudaDevice.experts_by_table reads its slots from a device table: the same sum, bit for bit, as experts() with
     the slots as Python ints, before and after the table is rewritten in place."""
-    from dsflash.runtime.device import PackedMatrix, ShardLayout
+    from dsflash.runtime.experts.device import PackedMatrix, ShardLayout
 
     _, cuda = kernels
     fmt, d, inter = "bfp8_b", 64, 32
@@ -296,7 +298,7 @@ def test_device_loads_split_and_double_buffer(kernels, tmp_path):
 
 def test_sinkhorn_kernel_is_the_models(kernels):
     from dsflash.model.mhc import sinkhorn
-    from dsflash.runtime import triton_mhc
+    from dsflash.runtime.cuda import triton_mhc
 
     g = torch.Generator().manual_seed(5)
     c = torch.randn(2, 9, 4, 4, generator=g) * 4

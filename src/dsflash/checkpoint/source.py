@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dsflash.checkpoint.names import INDEX, SINGLE
 from dsflash.errors import ModelSourceError
+from dsflash.paths import user_cache_home
 
 REQUIRED = ("config.json", "tokenizer.json")
 # what a download fetches: weights, config, tokenizer; not inference code, PDFs or evaluation data
@@ -48,8 +49,7 @@ def hub_cache_dir() -> Path:
         return Path(os.environ["HUGGINGFACE_HUB_CACHE"]).expanduser()
     if os.environ.get("HF_HOME"):
         return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "huggingface" / "hub"
+    return user_cache_home() / "huggingface" / "hub"
 
 
 def _from_hub(repo_id: str, revision: str) -> Path:

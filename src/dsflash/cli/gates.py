@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dsflash.cli._device import add_device_argument, add_expert_format_argument, add_rebuild_argument
+from dsflash.cli._engine import add_engine_arguments, engine_spec
 from dsflash.gates import suites
 
 
@@ -19,18 +19,8 @@ def add_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", help="model directory or Hub repo id[@revision]")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the engine")
-    p.add_argument(
-        "--expert-slots",
-        type=int,
-        default=None,
-        help="expert slots per rank (default: 4500, clipped to the model and to the memory left)",
-    )
-    add_expert_format_argument(p)
-    add_device_argument(p)
+    add_engine_arguments(p, "engine: ")
     p.add_argument("--tokens", type=int, default=suites.DEFAULT_TOKENS, help="tokens scored: 2/3 prefill, 1/3 decode")
-    p.add_argument("--cache-dir", default=None, help="expert store root (default $DSFLASH_CACHE or ~/.cache/dsflash)")
-    add_rebuild_argument(p)
     p.add_argument("--qat", action="store_true", help="keep the model's activation fake-quant points on (both sides)")
     p.add_argument("--min-prefill-top1", type=float, default=suites.PREFILL_MIN_TOP1)
     p.add_argument("--max-prefill-kl", type=float, default=suites.PREFILL_MAX_KL)
@@ -44,22 +34,15 @@ def run(args) -> int:
     from dsflash.gates.run import run_gates
     from dsflash.service.files import open_files
 
-    if args.tp < 1 or (args.expert_slots is not None and args.expert_slots < 1) or args.tokens < 3:
-        raise InvalidRequest("--tp and --expert-slots must be >= 1 and --tokens >= 3")
+    if args.tokens < 3:
+        raise InvalidRequest("--tokens must be >= 3")
+    spec = gates_spec(args)
     thresholds = suites.Thresholds(args.min_prefill_top1, args.max_prefill_kl, args.min_decode_top1, args.max_decode_kl)
-    files = open_files(args.model)
-    report = run_gates(
-        files,
-        tp=args.tp,
-        expert_slots=args.expert_slots,
-        tokens=args.tokens,
-        expert_format=args.expert_format,
-        cache_dir=args.cache_dir,
-        qat=args.qat,
-        thresholds=thresholds,
-        device=args.device,
-        rebuild=args.rebuild,
-        cuda_graph=not args.enforce_eager,
-    )
+    report = run_gates(open_files(args.model), spec, tokens=args.tokens, thresholds=thresholds)
     print(json.dumps(report))
     return 0 if report["pass"] else 1
+
+
+def gates_spec(args):
+    """The engine the gates score: the flags' spec, with the fake-quant points as --qat says on both sides."""
+    return engine_spec(args, qat=args.qat)

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dsflash.cli._device import add_device_argument, add_expert_format_argument, add_rebuild_argument
+from dsflash.cli._engine import add_engine_arguments, engine_spec
 from dsflash.errors import InvalidRequest
 
 
@@ -23,17 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, type=Path, help="output .npz")
     p.add_argument("--backend", choices=["reference", "engine"], default="reference", help="what computes the logits")
     p.add_argument("--no-qat", action="store_true", help="turn off the model's fake-quant points")
-    p.add_argument("--tp", type=int, default=1, help="engine: tensor-parallel degree")
-    p.add_argument(
-        "--expert-slots",
-        type=int,
-        default=None,
-        help="engine: expert slots per rank (default: 4500, clipped to the model and to the memory left)",
-    )
-    add_expert_format_argument(p, "engine: ")
-    add_device_argument(p, "engine: ")
-    p.add_argument("--cache-dir", default=None, help="engine: expert store root (default $DSFLASH_CACHE)")
-    add_rebuild_argument(p)
+    add_engine_arguments(p, "engine: ")
     p.set_defaults(run=run)
 
 
@@ -59,12 +49,11 @@ def read_tokens(path: Path) -> tuple[list[int], int]:
 def run(args) -> int:
     import numpy as np
 
-    from dsflash.runtime.scoring import decode_logits, prefill_logits
+    from dsflash.runtime.reference.scoring import decode_logits, prefill_logits
 
     tokens, prefill = read_tokens(args.tokens)
-    if args.tp < 1 or (args.expert_slots is not None and args.expert_slots < 1):
-        raise InvalidRequest("--tp and --expert-slots must be >= 1")
-    forward, close = _backend(args, len(tokens))
+    spec = logits_spec(args)  # bad engine flags fail before anything loads
+    forward, close = _backend(args, spec, len(tokens))
     try:
         out = {"prefill_logits": prefill_logits(forward, tokens),
                "decode_logits": decode_logits(forward, tokens, prefill)}  # fmt: skip
@@ -86,31 +75,23 @@ def run(args) -> int:
     return 0
 
 
-def _backend(args, max_len: int):
+def logits_spec(args):
+    """The engine `--backend engine` runs (the reference takes its qat alone)."""
+    return engine_spec(args, qat=not args.no_qat)
+
+
+def _backend(args, spec, max_len: int):
     """(Forward, close) for the chosen backend."""
     from dsflash.gates.reference import reference_forward, runner_forward
     from dsflash.service.files import open_files
 
     files = open_files(args.model)
     if args.backend == "reference":
-        from dsflash.runtime.loader import load_reference
+        from dsflash.runtime.reference.loader import load_reference
 
-        ref = load_reference(files.ckpt, files.token_map, qat=not args.no_qat, dspark=False)
+        ref = load_reference(files.ckpt, files.token_map, qat=spec.qat, dspark=False)
         return reference_forward(ref, max_len), lambda: None
-    from dsflash.runtime.launch import start_runner
-    from dsflash.store.layout import resolve_tile_format
+    from dsflash.runtime.tp.launch import start_engine
 
-    runner = start_runner(
-        files.ckpt,
-        files.token_map,
-        max_len,
-        tp=args.tp,
-        expert_slots=args.expert_slots,
-        expert_format=resolve_tile_format(args.expert_format, files.ckpt.config),
-        cache_dir=args.cache_dir,
-        qat=not args.no_qat,
-        device=args.device,
-        rebuild=args.rebuild,
-        cuda_graph=not args.enforce_eager,
-    )
+    runner = start_engine(files.ckpt, files.token_map, max_len, spec)
     return runner_forward(runner), runner.close

@@ -32,11 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dsflash.runtime.torchrun import launched_rank
+    from dsflash.runtime.tp.torchrun import launched_rank
 
     launched = launched_rank()
     if launched is not None and launched[0] != 0:  # torchrun's other ranks follow rank 0's engine, whatever the command
-        from dsflash.runtime.workers import torchrun_follower
+        from dsflash.runtime.tp.workers import torchrun_follower
 
         return torchrun_follower()
     parser = build_parser()

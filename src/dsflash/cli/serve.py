@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from dsflash.cli._device import add_device_argument, add_expert_format_argument, add_rebuild_argument
+from dsflash.cli._engine import add_engine_arguments
 
 DEFAULT_PORT = 20000
 API_KEY_ENV = "DSFLASH_API_KEY"
@@ -37,16 +37,7 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", default=None, help="bundle profile (default: the bundle's first profile)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port; a busy one walks up to the next free one")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument(
-        "--expert-slots",
-        type=int,
-        default=None,
-        help="expert slots per rank (default: 4500, clipped to the model and to the memory left; an explicit count "
-        "that does not fit is refused)",
-    )
-    add_expert_format_argument(p)
-    add_device_argument(p)
+    add_engine_arguments(p, serving=True)
     p.add_argument(
         "--backend",
         choices=["engine", "reference"],
@@ -62,17 +53,6 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 + Retry-After")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the profile's)")
     p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=512,
-        help="prompt tokens per prefill pass: each pass streams the experts its tokens touch once, so longer passes "
-        "stream less per prompt token (long prompts' TTFT) and hold more activations",
-    )
-    p.add_argument(
-        "--cache-dir", default=None, help="generated models and expert stores ($DSFLASH_CACHE or ~/.cache/dsflash)"
-    )
-    add_rebuild_argument(p)
-    p.add_argument(
         "--default-chat-template-kwargs",
         default=None,
         metavar="JSON",
@@ -81,13 +61,6 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--shutdown-grace", type=float, default=5.0, help="seconds a running request may finish after SIGTERM"
     )
-    p.add_argument(
-        "--record-routing",
-        default=None,
-        metavar="FILE",
-        help="append the expert routing of every MoE call to FILE (JSON lines; engine backend) for "
-        "`dsflash simulate --trace FILE`",
-    )
     p.add_argument("--detach", action="store_true", help="boot in the background, print the ready card, return")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_log", default=None, help=argparse.SUPPRESS)
@@ -95,22 +68,24 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from dsflash.errors import ConfigError
     from dsflash.service.catalog import choose
 
     choice = choose(args.model, args.profile)  # bad names fail here, before anything starts
     defaults = _chat_defaults(args.default_chat_template_kwargs)
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise ConfigError("--max-model-len must be at least 2")
-    if args.max_queue < 0:
-        raise ConfigError("--max-queue must be >= 0")
-    if args.prefill_chunk < 1:
-        raise ConfigError("--prefill-chunk must be >= 1")
+    opts = boot_options(args)  # so do bad flags
     if args.detach and not args._child:
         from dsflash.cli._detach import detach
 
         return detach(args, choice)
-    return _Serve(args, choice, defaults).run()
+    return _Serve(args, choice, defaults, opts).run()
+
+
+def boot_options(args):
+    """What the serve flags ask the boot for."""
+    from dsflash.cli._engine import engine_spec
+    from dsflash.service.boot import BootOptions
+
+    return BootOptions(engine_spec(args), args.backend, max_queue=args.max_queue, max_model_len=args.max_model_len)
 
 
 def _chat_defaults(text: str | None):
@@ -131,26 +106,13 @@ def _chat_defaults(text: str | None):
 class _Serve:
     """One server process: bind, boot on a thread while the HTTP side answers 503, serve, clean up."""
 
-    def __init__(self, args, choice, chat_defaults):
-        from dsflash.service.boot import BootOptions, make_backend
+    def __init__(self, args, choice, chat_defaults, opts):
+        from dsflash.service.boot import make_backend
 
         self.args, self.choice, self.chat_defaults = args, choice, chat_defaults
         self.exit_code = 0
         self.t0 = time.perf_counter()
-        self.opts = BootOptions(
-            backend=args.backend,
-            tp=args.tp,
-            expert_slots=args.expert_slots,
-            expert_format=args.expert_format,
-            device=args.device,
-            cuda_graph=not args.enforce_eager,
-            max_queue=args.max_queue,
-            max_model_len=args.max_model_len,
-            prefill_chunk=args.prefill_chunk,
-            cache_dir=args.cache_dir,
-            rebuild_store=args.rebuild,
-            record_routing=os.path.abspath(args.record_routing) if args.record_routing else None,
-        )
+        self.opts = opts
         self.backend = make_backend(self.opts)  # a flag the backend cannot honour fails before anything starts
 
     def run(self) -> int:
@@ -284,7 +246,7 @@ def _setup_logging(console) -> None:
                 pass
 
     handler = _ToConsole()
-    for name in ("dsflash.requests", "dsflash.server", "dsflash.runtime.engine"):
+    for name in ("dsflash.requests", "dsflash.server", "dsflash.runtime.scheduler.engine"):
         lg = logging.getLogger(name)
         lg.handlers[:] = [handler]
         lg.setLevel(logging.INFO)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from dsflash.cli._device import add_expert_format_argument
+from dsflash.cli._engine import add_expert_format_argument
+from dsflash.paths import CACHE_DEFAULT
 
 FORMATS = ("bfp4_b", "bfp8_b")
 
@@ -30,8 +31,8 @@ def _common(p: argparse.ArgumentParser, build: bool) -> None:
         p.add_argument("--format", choices=FORMATS, default=None, help="tile format the store must have (default: as "
                        "built)")  # fmt: skip
     p.add_argument("--cache-dir", default=None, help="store root; the store is <root>/<model-name>/weights, or "
-                   "weights-tp<N>-<format> beside it for another TP degree or format (default: $DSFLASH_CACHE, else "
-                   "~/.cache/dsflash)")  # fmt: skip
+                   "weights-tp<N>-<format> beside it for another TP degree or format "
+                   f"(default: {CACHE_DEFAULT})")  # fmt: skip
 
 
 def add_parser(sub) -> None:
@@ -76,12 +77,14 @@ def _checkpoint(spec: str):
 def _build(args) -> int:
     import json
 
+    from dsflash.runtime.spec import EngineSpec, resolve
     from dsflash.store.build import build_store
-    from dsflash.store.layout import resolve_tile_format, store_dir
+    from dsflash.store.layout import store_dir
 
     ckpt = _checkpoint(args.model)
     ckpt.verify()  # a missing expert tensor should stop us now, not hours in
-    fmt = resolve_tile_format(args.expert_format, ckpt.config)
+    # the format serve will look for: the spec's, resolved for this model as serve resolves it
+    fmt = resolve(EngineSpec(expert_format=args.expert_format), ckpt.config).expert_format
     m = build_store(ckpt, args.cache_dir, args.tp, fmt, progress=not args.no_progress, rebuild=args.rebuild)
 
     s = m.stats
@@ -106,11 +109,11 @@ def _build(args) -> int:
 def _verify(args) -> int:
     import json
 
-    from dsflash.store.build import open_store
+    from dsflash.store.reader import open_store
     from dsflash.store.verify import verify_store
 
     ckpt = _checkpoint(args.model)
-    with open_store(ckpt, args.cache_dir, args.tp, args.format, rebuild=False) as store:
+    with open_store(ckpt, args.cache_dir, args.tp, args.format) as store:
         summary = verify_store(
             store, sample=args.sample, seed=args.seed, ckpt=ckpt, decode=args.decode, progress=args.progress
         )

@@ -1,10 +1,10 @@
-"""Both sides of a gate as `runtime.scoring.Forward` callables: DeepSeek's math on the CPU, and the engine."""
+"""Both sides of a gate as `runtime.reference.scoring.Forward` callables: DeepSeek's math on the CPU, and the engine."""
 
 from __future__ import annotations
 
 import torch
 
-from dsflash.runtime.loader import LoadedModel
+from dsflash.runtime.reference.loader import LoadedModel
 
 
 def reference_forward(ref: LoadedModel, max_len: int):
@@ -20,7 +20,7 @@ def reference_forward(ref: LoadedModel, max_len: int):
 
 
 def runner_forward(runner):
-    """Any engine Runner (runtime.engine.Runner): every position's logits."""
+    """Any engine Runner (runtime.scheduler.engine.Runner): every position's logits."""
 
     def forward(tokens: torch.Tensor, start_pos: int, fresh: bool) -> torch.Tensor:
         if fresh:

@@ -10,19 +10,20 @@ import numpy as np
 from dsflash.gates.compare import compare_logits
 from dsflash.gates.reference import reference_forward, runner_forward
 from dsflash.gates.suites import DEFAULT_TOKENS, Thresholds, gate_tokens, split
-from dsflash.runtime.launch import prepare_store, start_runner
-from dsflash.runtime.loader import load_reference
-from dsflash.runtime.rank import resolve_device
-from dsflash.runtime.scoring import decode_logits, prefill_logits
+from dsflash.runtime.counters import ExpertCounters
+from dsflash.runtime.reference.loader import load_reference
+from dsflash.runtime.reference.scoring import decode_logits, prefill_logits
+from dsflash.runtime.spec import EngineSpec, resolve
+from dsflash.runtime.tp.launch import prepare_store, start_ranks
 from dsflash.service.files import ModelFiles
-from dsflash.store.layout import resolve_tile_format
 
 
 @dataclass
 class Scores:
     prefill: np.ndarray  # [T, V] one forward over every token
     decode: np.ndarray  # [T - P, V] teacher-forced steps after a P-token prefill
-    counters: dict | None = None  # the engine's expert counters
+    counters: ExpertCounters | None = None  # the engine's expert counters
+    slots: int = 0  # the engine's expert slots per rank
 
 
 def gate_ids(files: ModelFiles, tokens: int = DEFAULT_TOKENS) -> tuple[list[int], int]:
@@ -42,57 +43,27 @@ def reference_scores(files: ModelFiles, ids: list[int], prefill: int, qat: bool 
     return scores
 
 
-def engine_scores(
-    files: ModelFiles,
-    ids: list[int],
-    prefill: int,
-    tp: int = 1,
-    expert_slots: int | None = None,
-    expert_format: str = "bfp4_b",
-    cache_dir: str | None = None,
-    qat: bool = False,
-    progress: bool = False,
-    prefill_matmul: str = "auto",
-    device: str = "auto",
-    rebuild: bool = False,
-    cuda_graph: bool = True,
-) -> Scores:
-    runner = start_runner(
-        files.ckpt,
-        files.token_map,
-        len(ids),
-        tp=tp,
-        expert_slots=expert_slots,
-        expert_format=expert_format,
-        cache_dir=cache_dir,
-        qat=qat,
-        progress=progress,
-        prefill_matmul=prefill_matmul,
-        device=device,
-        rebuild=rebuild,
-        cuda_graph=cuda_graph,
-    )
+def engine_scores(files: ModelFiles, ids: list[int], prefill: int, spec: EngineSpec, progress: bool = False) -> Scores:
+    """The engine's scores on the tokens; `spec` resolved here (the store is made on first use)."""
+    spec = resolve(spec, files.ckpt.config)
+    prepare_store(files.ckpt, spec, progress)
+    return _engine_scores(files, ids, prefill, spec)
+
+
+def _engine_scores(files: ModelFiles, ids: list[int], prefill: int, spec: EngineSpec) -> Scores:
+    runner = start_ranks(files.ckpt, files.token_map, len(ids), spec)
     try:
         pre, dec = _score(runner_forward(runner), ids, prefill)
-        counters = {**runner.counters(), "slots": runner.rank0.experts.pool.n_slots}
+        return Scores(pre, dec, runner.counters(), runner.rank0.experts.pool.n_slots)
     finally:
         runner.close()
-    return Scores(pre, dec, counters)
 
 
 def report(want: Scores, got: Scores, thresholds: Thresholds | None = None) -> dict:
     keys = ("decisive_top1", "mean_kl", "n_decisive", "n")
     out = {part: {k: compare_logits(getattr(want, part), getattr(got, part))[k] for k in keys}
            for part in ("prefill", "decode")}  # fmt: skip
-    c = got.counters or {}
-    lookups = c.get("hits", 0) + c.get("misses", 0)
-    out["experts"] = {
-        "hit_rate": c["hits"] / lookups if lookups else 0.0,
-        "bytes": c.get("bytes_copied", 0),
-        "hits": c.get("hits", 0),
-        "misses": c.get("misses", 0),
-        "slots": c.get("slots", 0),
-    }
+    out["experts"] = {**(got.counters or ExpertCounters()).to_json(), "slots": got.slots}
     failures = (thresholds or Thresholds()).failures(out)
     out["pass"], out["failures"] = not failures, failures
     return out
@@ -100,36 +71,25 @@ def report(want: Scores, got: Scores, thresholds: Thresholds | None = None) -> d
 
 def run_gates(
     files: ModelFiles,
-    tp: int = 1,
-    expert_slots: int | None = None,
+    spec: EngineSpec,
     tokens: int = DEFAULT_TOKENS,
-    expert_format: str = "auto",
-    cache_dir: str | None = None,
-    qat: bool = False,
     thresholds: Thresholds | None = None,
     progress: bool = False,
-    device: str = "auto",
-    rebuild: bool = False,
-    cuda_graph: bool = True,
 ) -> dict:
-    """Score reference and engine on the same tokens; the report says which thresholds fail (if any)."""
-    device = resolve_device(device)  # a device this machine lacks fails now, not after the reference has run
-    expert_format = resolve_tile_format(expert_format, files.ckpt.config)
+    """Score reference and engine on the same tokens; the report says which thresholds fail (if any). The
+    reference's fake-quant points follow the engine's (spec.qat) so that both compute the same model."""
+    spec = resolve(spec, files.ckpt.config)  # a device this machine lacks fails now, not after the reference ran
     # the store first: a refused TP degree or a store made for something else fails before the reference runs
-    prepare_store(files.ckpt, cache_dir, tp, expert_format, rebuild, progress)
+    prepare_store(files.ckpt, spec, progress)
     ids, prefill = gate_ids(files, tokens)
-    want = reference_scores(files, ids, prefill, qat)
-    got = engine_scores(
-        files, ids, prefill, tp, expert_slots, expert_format, cache_dir, qat, progress, device=device,
-        cuda_graph=cuda_graph,
-    )  # fmt: skip
-    out = report(want, got, thresholds)
+    want = reference_scores(files, ids, prefill, spec.qat)
+    out = report(want, _engine_scores(files, ids, prefill, spec), thresholds)
     out["config"] = {
-        "tp": tp,
-        "expert_format": expert_format,
+        "tp": spec.tp,
+        "expert_format": spec.expert_format,
         "tokens": len(ids),
         "prefill": prefill,
-        "qat": qat,
-        "device": device,
+        "qat": spec.qat,
+        "device": spec.device,
     }
     return out

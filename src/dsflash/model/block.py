@@ -109,7 +109,7 @@ class Head(nn.Module):
         self.weight = _param(tp.part(vocab), dim, shard={0: tp.indices(vocab)})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        screened = getattr(self.packed, "logits", None)  # a head that gathers itself (runtime.dense.ScreenedHead)
+        screened = getattr(self.packed, "logits", None)  # a head that gathers itself (runtime.cpu.dense.ScreenedHead)
         if screened is not None:
             return screened(x, self.tp, self.vocab)
         if self.packed is not None:

@@ -379,9 +379,10 @@ def log_line(s, outcome: str, ignored: list[str]) -> str:
     tps = f"{s.tokens_per_s:.1f}" if s.tokens_per_s else "-"
     ttft = f"{s.ttft_s:.2f}s" if s.ttft_s is not None else "-"
     hit = f"{s.hit_rate:.2f}" if s.hit_rate is not None else "-"
+    streamed = s.experts.bytes_streamed if s.experts is not None else None
     line = (
         f"req={s.request_id} prompt={s.prompt_tokens} out={s.completion_tokens} ttft={ttft} tok/s={tps} "
-        f"hit={hit} streamed={_bytes(s.bytes_streamed)} finish={s.finish_reason or '-'} outcome={outcome}"
+        f"hit={hit} streamed={_bytes(streamed)} finish={s.finish_reason or '-'} outcome={outcome}"
     )
     return line + (f" ignored={','.join(ignored)}" if ignored else "")
 

@@ -44,7 +44,7 @@ class Metrics:
         self.ttft = _Histogram(TTFT_BUCKETS)
         self.tpot = _Histogram(TPOT_BUCKETS)
         self.e2e = _Histogram(E2E_BUCKETS)
-        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "expert_hits": 0, "expert_misses": 0, "bytes": 0}
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "hits": 0, "misses": 0, "bytes_streamed": 0}
         self.last_tokens_per_s = 0.0
 
     def record(self, endpoint: str, outcome: str, stats: RequestStats | None, e2e_s: float | None) -> None:
@@ -61,12 +61,9 @@ class Metrics:
             if stats.tokens_per_s:
                 self.tpot.observe(1.0 / stats.tokens_per_s)
                 self.last_tokens_per_s = stats.tokens_per_s
-            for key, attr in (
-                ("expert_hits", "expert_hits"),
-                ("expert_misses", "expert_misses"),
-                ("bytes", "bytes_streamed"),
-            ):
-                self.totals[key] += getattr(stats, attr) or 0
+            if stats.experts is not None:
+                for key in ("hits", "misses", "bytes_streamed"):
+                    self.totals[key] += getattr(stats.experts, key)
 
     def render(self) -> str:
         m = f'model_name="{_escape(self.model)}"'
@@ -82,9 +79,9 @@ class Metrics:
             for name, key, text in (
                 ("prompt_tokens_total", "prompt_tokens", "Prompt tokens of requests that produced output."),
                 ("generation_tokens_total", "generation_tokens", "Generated tokens."),
-                ("expert_hits_total", "expert_hits", "Routed-expert lookups served from a device slot."),
-                ("expert_misses_total", "expert_misses", "Routed-expert lookups that streamed the expert in."),
-                ("expert_bytes_streamed_total", "bytes", "Expert bytes copied to the device."),
+                ("expert_hits_total", "hits", "Routed-expert lookups served from a device slot."),
+                ("expert_misses_total", "misses", "Routed-expert lookups that streamed the expert in."),
+                ("expert_bytes_streamed_total", "bytes_streamed", "Expert bytes copied to the device, all ranks."),
             ):
                 head(name, "counter", text)
                 lines.append(f"{P}{name}{{{m}}} {self.totals[key]}")

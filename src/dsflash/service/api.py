@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from dsflash.runtime.counters import ExpertCounters
 from dsflash.text.chat import ChatOptions
 from dsflash.text.tools import ToolCall
 
@@ -87,9 +88,7 @@ class RequestStats:
     reasoning_tokens: int = 0
     ttft_s: float | None = None  # receipt -> first token (queue wait + prefill)
     decode_s: float = 0.0  # first token -> last token
-    expert_hits: int | None = None
-    expert_misses: int | None = None
-    bytes_streamed: int | None = None
+    experts: ExpertCounters | None = None  # this request's share of the runner's expert counters
     finish_reason: str | None = None
 
     @property
@@ -99,9 +98,9 @@ class RequestStats:
 
     @property
     def hit_rate(self) -> float | None:
-        if self.expert_hits is None or self.expert_misses is None or self.expert_hits + self.expert_misses == 0:
+        if self.experts is None or not self.experts.lookups:
             return None
-        return self.expert_hits / (self.expert_hits + self.expert_misses)
+        return self.experts.hit_rate
 
 
 Kind = Literal["start", "prompt", "reasoning", "content", "tool_call"]

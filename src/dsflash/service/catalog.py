@@ -5,7 +5,6 @@ Pure data and string handling (no torch): `dsflash profiles` and `dsflash ps` im
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,13 +116,3 @@ def choose(spec: str | None, profile: str | None = None) -> ModelChoice:
     raise ModelSourceError(
         f"{spec!r} is not a known bundle ({known}), a Hugging Face repo id (org/name[@revision]) or a directory"
     )
-
-
-def cache_root(override: str | os.PathLike | None = None) -> Path:
-    """Where generated models and expert stores live: --cache-dir, else $DSFLASH_CACHE, else ~/.cache/dsflash."""
-    if override:
-        return Path(override).expanduser()
-    if os.environ.get("DSFLASH_CACHE"):
-        return Path(os.environ["DSFLASH_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "dsflash"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.source import resolve_model_dir
-from dsflash.runtime.loader import LoadedModel, load_reference
+from dsflash.runtime.reference.loader import LoadedModel, load_reference
 from dsflash.text.token_map import compressed_token_map
 from dsflash.text.tokenizer import Tokenizer
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 from dsflash.errors import ContextTooLong, InvalidRequest, Overloaded
-from dsflash.runtime.queue import GenerationRequest, Handle, TokenEvent
-from dsflash.runtime.sampler import SamplingParams
+from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, StepStats, TokenEvent
+from dsflash.runtime.scheduler.sampler import SamplingParams
 from dsflash.service.api import (
     ChatRequest,
     CompletionRequest,
@@ -32,7 +32,6 @@ from dsflash.text.tokenizer import BOS, Tokenizer
 from dsflash.text.tools import ToolCall, ToolCallParser
 
 # runner counters (cumulative) that feed the per-request expert numbers, when a backend reports them
-_COUNTERS = ("expert_hits", "expert_misses", "bytes_streamed")
 
 
 class Generator:
@@ -125,7 +124,6 @@ class Stream:
     def __init__(self, gen: Generator, handle: Handle, prompt: list[int], pipe: _Pipeline, stats, t0: float):
         self.gen, self.handle, self.prompt, self.pipe, self.stats, self.t0 = gen, handle, prompt, pipe, stats, t0
         self._t_first: float | None = None
-        self._counters0: dict | None = None
 
     @property
     def request_id(self) -> str:
@@ -176,14 +174,9 @@ class Stream:
         usage = Usage(self.stats.prompt_tokens, self.stats.completion_tokens, self.stats.reasoning_tokens)
         yield Delta("content", logprobs=pipe.take_logprobs(), finish_reason=reason, usage=usage)
 
-    def _read_counters(self, stats: dict) -> None:
-        if not stats:
-            return
-        if self._counters0 is None:
-            self._counters0 = stats.get("counters_start") or {}
-        for key in _COUNTERS:
-            if key in stats and key in self._counters0:
-                setattr(self.stats, key, stats[key] - self._counters0[key])
+    def _read_counters(self, stats: StepStats | None) -> None:
+        if stats is not None:
+            self.stats.experts = stats.experts - stats.experts_start
 
 
 class _Pipeline:

@@ -15,7 +15,7 @@ class Box:
     """Hardware and engine constants of one box; times in seconds, sizes in bytes, bandwidths in bytes/s."""
 
     chips: int = 4  # published: QuietBox 2 = 2x p300c = 4 Blackhole chips, TP 4
-    link_bw: float = 7.88 * GB  # derived: PCIe Gen4 x4 per chip (measured width, seed_upstream §2)
+    link_bw: float = 7.88 * GB  # derived: PCIe Gen4 x4 per chip (measured width, seed.md §2)
     link_efficiency: float = 0.8  # guess: PCIe payload efficiency of large host-to-device copies
     dram_bw: float = 512 * GB  # published: GDDR6 per chip
     resident_bytes: float = 6.9 * GB  # derived: attention, head and shared experts read per pass (all chips)
@@ -35,7 +35,7 @@ class Box:
     # The drive streams ~12 GB/s (guess: Gen5 x4); 0.5 GB/s is what 4 KiB page faults on an mmap at queue depth
     # one deliver, which is how an mmap-served store reads a cold expert
     cold_read_bw: float = 0.5 * GB
-    prefill_chunk: int = 128  # guess: tokens per expert-major prefill pass (seed_upstream §3.3)
+    prefill_chunk: int = 128  # guess: tokens per expert-major prefill pass (seed.md §3.3)
     long_ctx_cost: float = 15e-6  # fitted: seconds per step per context token beyond `long_ctx_from` (32k profile)
     long_ctx_from: int = 9216  # published: the default profile's context; the 32k profile pays beyond it
     prefetch_accuracy: float = 0.8  # guess: share of the next layer's experts a pre-gating predictor names correctly

@@ -2,7 +2,7 @@
 
 `access(keys, scan)` makes every key of one MoE call resident and returns the ones that had to be copied in; the keys
 of the call are protected while it runs (the engine pins them), so a call never evicts its own experts. `scan` marks
-a prefill chunk's call, which only the cold-insertion LRU (the engine's runtime.slots.SlotPool) treats apart.
+a prefill chunk's call, which only the cold-insertion LRU (the engine's runtime.experts.slots.SlotPool) treats apart.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Build the packed expert store from a checkpoint: atomic per layer, resumable, refused without the packer
-self-check. open_store() is what the engine calls: it opens a store that matches the model, or builds it when
-allowed, and otherwise refuses with the differences spelled out."""
+self-check. A store in place that was built for something else is replaced only when asked; reading a store is
+store.reader's (open_store), which never imports this module."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from dsflash.checkpoint.names import block_prefix
 from dsflash.errors import CheckpointError, NoSpace, StoreCorrupt, StoreMismatch
 from dsflash.formats import bfp, fp4
 from dsflash.store.layout import (
-    FORMAT_VERSION,
     LOCK,
     MANIFEST,
     PARTIAL,
@@ -30,15 +29,13 @@ from dsflash.store.layout import (
     StoreManifest,
     differences,
     fsync_dir,
-    geometry_for,
     layer_file,
-    model_identity,
-    model_name,
-    model_stores,
+    layout_differences,
+    mismatch_message,
     moe_layers,
     store_dir,
+    store_identity,
 )
-from dsflash.store.reader import Store
 
 # Testing hook: stop (sleep) after this many records have been written by this process, so that a test can
 # kill the build at a known point. Unset in normal use.
@@ -204,14 +201,6 @@ class _Progress:
             self.bar.close()
 
 
-def _identity(ckpt, tp: int, fmt: str) -> tuple[dict, Geometry, str]:
-    model_id, revision = model_identity(ckpt.path)
-    geom = geometry_for(ckpt.config, tp, fmt)
-    want = {"format_version": FORMAT_VERSION, "model_id": model_id, "revision": revision, "tp": geom.tp,
-            "tile_format": fmt}  # fmt: skip
-    return want, geom, model_name(ckpt.path)
-
-
 def _lock(directory: Path) -> int:
     fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -260,41 +249,19 @@ def _plan(directory: Path, want: dict, geom: Geometry, specs, rebuild: bool) -> 
     if diffs:
         if rebuild:
             return None, "built for " + "; ".join(diffs)
-        raise StoreMismatch(_mismatch_message(directory, diffs, "build"))
+        raise StoreMismatch(mismatch_message(directory, diffs, "build"))
     try:
         m = StoreManifest.read(directory)
     except StoreCorrupt as e:
         if rebuild:
             return None, "damaged manifest"
         raise StoreCorrupt(f"{e}; pass --rebuild (rebuild=True) to replace the store") from None
-    layout = _layout_differences(m, geom, specs)
+    layout = layout_differences(m, geom, specs)
     if layout:
         if rebuild:
             return None, layout
-        raise StoreMismatch(_mismatch_message(directory, [layout], "build"))
+        raise StoreMismatch(mismatch_message(directory, [layout], "build"))
     return m, "resume"
-
-
-def _layout_differences(m: StoreManifest, geom: Geometry, specs) -> str:
-    if m.geometry != geom:
-        return f"record layout {m.geometry.to_json()} (store) vs {geom.to_json()} (model)"
-    if sorted(m.expected_layers) != [s.layer_id for s in specs]:
-        return f"MoE layers {sorted(m.expected_layers)} (store) vs {[s.layer_id for s in specs]} (model)"
-    experts = {s.layer_id: s.n_experts for s in specs}
-    for lid, e in m.layers.items():
-        if e.experts != experts[lid]:
-            return f"layer {lid}: {e.experts} experts (store) vs {experts[lid]} (model)"
-    return ""
-
-
-def _mismatch_message(directory: Path, diffs: list[str], action: str) -> str:
-    fix = (
-        "pass --rebuild to replace it" if action == "build" else "rebuild it with `dsflash store build MODEL --rebuild`"
-    )
-    return (
-        f"the expert store in {directory} was built for something else: {'; '.join(diffs)}; {fix} "
-        "(or use another --cache-dir)"
-    )
 
 
 def _kept_layers(directory: Path, m: StoreManifest, cfg, specs) -> dict[int, LayerEntry]:
@@ -322,7 +289,7 @@ def build_store(
     before writing anything. Returns the manifest; its `.stats` says which layers were built and kept."""
     t0 = time.perf_counter()
     cfg = ckpt.config
-    want, geom, name = _identity(ckpt, tp, fmt)
+    want, geom, name = store_identity(ckpt, tp, fmt)
     specs = moe_layers(cfg)
     directory = store_dir(ckpt.path, root, tp, fmt)
     directory.mkdir(parents=True, exist_ok=True)
@@ -425,40 +392,3 @@ def _write_all(fd: int, buf: np.ndarray) -> None:
     while view.nbytes:
         n = os.write(fd, view)
         view = view[n:]
-
-
-# ---------------------------------------------------------------------------------------------- open
-
-
-def open_store(
-    ckpt, root: str | Path | None = None, tp: int | None = 1, fmt: str | None = "bfp4_b", rebuild: bool = False,
-    progress: bool = False,
-) -> Store:  # fmt: skip
-    """The store of `ckpt` at this TP degree and tile format (None: that of a store the model has, the first one
-    first), checked against the model. A missing, unfinished or mismatched store is built (rebuild=True) or
-    refused: StoreMissing / StoreMismatch saying what differs; a truncated layer file: StoreCorrupt."""
-    if tp is None or fmt is None:
-        tp, fmt = _built_for(ckpt, root, tp, fmt)
-    want, geom, _ = _identity(ckpt, tp, fmt)
-    if rebuild:
-        build_store(ckpt, root, tp, fmt, progress, rebuild=True)
-    directory = store_dir(ckpt.path, root, tp, fmt)
-    store = Store.open(directory, expect=want)
-    layout = _layout_differences(store.manifest, geom, moe_layers(ckpt.config))
-    if layout:
-        store.close()
-        raise StoreMismatch(_mismatch_message(directory, [layout], "open"))
-    return store
-
-
-def _built_for(ckpt, root, tp: int | None, fmt: str | None) -> tuple[int, str]:
-    """The TP degree and tile format of the model's first store (`weights`, then those beside it) that has the
-    given ones (None: any); the given ones, defaulted, where none has."""
-    for directory in model_stores(ckpt.path, root):
-        try:
-            have = StoreManifest.read_identity(directory)
-        except StoreCorrupt:
-            continue
-        if have and tp in (None, have.get("tp")) and fmt in (None, have.get("tile_format")):
-            return have["tp"], have["tile_format"]
-    return tp or 1, fmt or "bfp4_b"

@@ -1,7 +1,7 @@
 """Where the packed expert store lives, what identifies it, and where every byte of it sits.
 
-A store is one directory, `<root>/<model-name>/weights/` (root: --cache-dir, else $DSFLASH_CACHE, else
-~/.cache/dsflash), holding one file per MoE layer (backbone blocks and DSpark stages) and `manifest.json`.
+A store is one directory, `<root>/<model-name>/weights/` (root: dsflash.paths.cache_root, --cache-dir first),
+holding one file per MoE layer (backbone blocks and DSpark stages) and `manifest.json`.
 
 A layer file is nothing but its records, one per routed expert, all the same size, expert e at e * record_bytes.
 A record is rank-major: TP rank blocks of `stride` bytes, rank r at r * stride. A rank block holds that rank's
@@ -36,6 +36,7 @@ import numpy as np
 
 from dsflash.errors import StoreCorrupt, StoreMismatch
 from dsflash.formats import bfp
+from dsflash.paths import cache_root
 
 FORMAT = "dsflash-expert-store"
 # 2: w2 shards narrower than a face row are rounded over the whole matrix; 3: bfp4_b face rows take the
@@ -68,12 +69,6 @@ class StoreMissing(StoreMismatch):
 
 
 # ---------------------------------------------------------------------------------------------- where
-
-
-def default_root() -> Path:
-    """$DSFLASH_CACHE, else ~/.cache/dsflash (read at call time)."""
-    env = os.environ.get("DSFLASH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dsflash"
 
 
 _HUB_SNAPSHOT = re.compile(r"^models--(?P<repo>.+)$")
@@ -138,8 +133,7 @@ def model_stores(model_dir: str | Path, root: str | Path | None = None) -> list[
 
 
 def _first_store(model_dir: str | Path, root: str | Path | None) -> Path:
-    base = Path(root).expanduser() if root is not None else default_root()
-    return base / model_name(model_dir) / "weights"
+    return cache_root(root) / model_name(model_dir) / "weights"
 
 
 def fingerprint(model_dir: str | Path) -> str:
@@ -490,3 +484,34 @@ def resolve_tile_format(requested: str, config, memory: int | None = None) -> st
         return requested
     memory = host_memory() if memory is None else memory
     return "bfp8_b" if store_bytes(config, "bfp8_b") <= RAM_SHARE * memory else "bfp4_b"
+
+
+def store_identity(ckpt, tp: int, fmt: str) -> tuple[dict, Geometry, str]:
+    """(the identity a store for `ckpt` at this TP degree and format must have, its record geometry, its name)"""
+    model_id, revision = model_identity(ckpt.path)
+    geom = geometry_for(ckpt.config, tp, fmt)
+    want = {"format_version": FORMAT_VERSION, "model_id": model_id, "revision": revision, "tp": geom.tp,
+            "tile_format": fmt}  # fmt: skip
+    return want, geom, model_name(ckpt.path)
+
+
+def layout_differences(m: StoreManifest, geom: Geometry, specs) -> str:
+    if m.geometry != geom:
+        return f"record layout {m.geometry.to_json()} (store) vs {geom.to_json()} (model)"
+    if sorted(m.expected_layers) != [s.layer_id for s in specs]:
+        return f"MoE layers {sorted(m.expected_layers)} (store) vs {[s.layer_id for s in specs]} (model)"
+    experts = {s.layer_id: s.n_experts for s in specs}
+    for lid, e in m.layers.items():
+        if e.experts != experts[lid]:
+            return f"layer {lid}: {e.experts} experts (store) vs {experts[lid]} (model)"
+    return ""
+
+
+def mismatch_message(directory: Path, diffs: list[str], action: str) -> str:
+    fix = (
+        "pass --rebuild to replace it" if action == "build" else "rebuild it with `dsflash store build MODEL --rebuild`"
+    )
+    return (
+        f"the expert store in {directory} was built for something else: {'; '.join(diffs)}; {fix} "
+        "(or use another --cache-dir)"
+    )

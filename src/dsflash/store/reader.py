@@ -12,7 +12,19 @@ import numpy as np
 
 from dsflash.errors import StoreCorrupt, StoreMismatch
 from dsflash.formats import bfp
-from dsflash.store.layout import Geometry, LayerEntry, StoreManifest, StoreMissing, differences
+from dsflash.store.layout import (
+    Geometry,
+    LayerEntry,
+    StoreManifest,
+    StoreMissing,
+    differences,
+    layout_differences,
+    mismatch_message,
+    model_stores,
+    moe_layers,
+    store_dir,
+    store_identity,
+)
 
 PAGE = mmap.PAGESIZE
 
@@ -210,3 +222,36 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _ids(ids: list[int]) -> str:
     return ", ".join(map(str, ids[:8])) + (f" ... ({len(ids)} in all)" if len(ids) > 8 else "")
+
+
+# ---------------------------------------------------------------------------------------------- open
+
+
+def open_store(ckpt, root: str | Path | None = None, tp: int | None = 1, fmt: str | None = "bfp4_b") -> Store:
+    """The store of `ckpt` at this TP degree and tile format (None: that of a store the model has, the first one
+    first), checked against the model, for reading. A missing, unfinished or mismatched store is refused:
+    StoreMissing / StoreMismatch saying what differs (store.build.build_store makes or replaces one); a truncated
+    layer file: StoreCorrupt."""
+    if tp is None or fmt is None:
+        tp, fmt = _built_for(ckpt, root, tp, fmt)
+    want, geom, _ = store_identity(ckpt, tp, fmt)
+    directory = store_dir(ckpt.path, root, tp, fmt)
+    store = Store.open(directory, expect=want)
+    layout = layout_differences(store.manifest, geom, moe_layers(ckpt.config))
+    if layout:
+        store.close()
+        raise StoreMismatch(mismatch_message(directory, [layout], "open"))
+    return store
+
+
+def _built_for(ckpt, root, tp: int | None, fmt: str | None) -> tuple[int, str]:
+    """The TP degree and tile format of the model's first store (`weights`, then those beside it) that has the
+    given ones (None: any); the given ones, defaulted, where none has."""
+    for directory in model_stores(ckpt.path, root):
+        try:
+            have = StoreManifest.read_identity(directory)
+        except StoreCorrupt:
+            continue
+        if have and tp in (None, have.get("tp")) and fmt in (None, have.get("tile_format")):
+            return have["tp"], have["tile_format"]
+    return tp or 1, fmt or "bfp4_b"

@@ -15,23 +15,22 @@ from dsflash.model.block import Block
 from dsflash.model.engram import Engram
 from dsflash.model.layers import RMSNorm
 from dsflash.model.moe import Gate, SharedExpert
-from dsflash.runtime import native
-from dsflash.runtime.dense import Fp8Weight
+from dsflash.runtime.cpu import native
+from dsflash.runtime.cpu.dense import Fp8Weight
 
 FUSED_MIXES_MAX = 1 << 15  # values of x (tokens x hc x d) up to which mHC's mixes run as one C call
 ROUTE_MAX_ROWS = 8  # tokens up to which the router runs as one C call
 
 
-def fill(model: torch.nn.Module, on_gpu: bool) -> None:
-    """Every block's Sinkhorn as one kernel (Triton on a GPU, C on the CPU), the torch version where that is
-    unavailable: same math, a fraction of the launches (it was about a quarter of a small model's decode step). On
-    the CPU also: decode's mixing weights (mhc.mixes), the collapse with the norm after it, the expansion, the
-    shared expert's FFN, every RMSNorm, the MoE router, the rotary embeddings and Engram's gated write, one C call
-    each."""
+def fill(model: torch.nn.Module, gpu_sinkhorn=None) -> None:
+    """Every block's Sinkhorn as one kernel (`gpu_sinkhorn`, the Triton one, for a model on a GPU; C on the CPU),
+    the torch version where that is unavailable: same math, a fraction of the launches (it was about a quarter of a
+    small model's decode step). On the CPU also: decode's mixing weights (mhc.mixes), the collapse with the norm
+    after it, the expansion, the shared expert's FFN, every RMSNorm, the MoE router, the rotary embeddings and
+    Engram's gated write, one C call each."""
+    on_gpu = gpu_sinkhorn is not None
     if on_gpu:
-        from dsflash.runtime import triton_mhc
-
-        kernel = triton_mhc.sinkhorn
+        kernel = gpu_sinkhorn
     elif native.lib() is not None:
         kernel = native.sinkhorn
     else:

@@ -7,7 +7,7 @@ stop. A rank that dies breaks the next collective on rank 0, which then fails wi
 hang (under torchrun, its agent also ends the others when one fails).
 
 Step messages and start-up travel over a gloo group (host tensors and objects); the model's collectives over NCCL
-when every rank has a GPU of its own, else over the same gloo group (runtime.rank.rank_device, model.parallel.TP).
+when every rank has a GPU of its own, else over the same gloo group (runtime.tp.rank.rank_device, model.parallel.TP).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
-import os
 import socket
 from datetime import timedelta
 
@@ -26,8 +25,10 @@ from dsflash.checkpoint.index import Checkpoint
 from dsflash.config import ModelConfig
 from dsflash.errors import ConfigError, EngineDead
 from dsflash.model.parallel import TP
-from dsflash.runtime.rank import EngineOptions, RankRuntime, rank_device, resolve_device
-from dsflash.runtime.torchrun import launched_rank, local_world
+from dsflash.runtime.counters import ExpertCounters
+from dsflash.runtime.spec import EngineSpec, check_tp
+from dsflash.runtime.tp.rank import RankRuntime, rank_device
+from dsflash.runtime.tp.torchrun import launched_rank, local_world
 from dsflash.store.build import build_store
 
 log = logging.getLogger(__name__)
@@ -44,10 +45,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _threads(opts: EngineOptions, world: int) -> int:
-    return opts.threads or max(1, (os.cpu_count() or 1) // local_world(world))
-
-
 def _join(rank: int, world: int, init_method: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
 
@@ -57,7 +54,7 @@ def _model_group(device: str, rank: int, world: int) -> TP:
 
     CPU ranks: the gloo group. CUDA ranks each on a GPU of their own: an NCCL group. CUDA ranks sharing a GPU (NCCL
     refuses that): the gloo group, with the collectives staged through host memory."""
-    on_gpu = resolve_device(device) == "cuda"
+    on_gpu = device == "cuda"
     nccl = on_gpu and torch.cuda.device_count() >= local_world(world)
     if on_gpu:
         torch.cuda.set_device(rank_device(device, rank))
@@ -65,12 +62,13 @@ def _model_group(device: str, rank: int, world: int) -> TP:
     return TP.from_process_group(group, host_staging=on_gpu and not nccl)
 
 
-def worker_main(rank: int, world: int, init_method: str, opts: EngineOptions, token_map, ready) -> None:
+def worker_main(rank: int, world: int, init_method: str, job: tuple, token_map, ready) -> None:
     """Entry point of spawned ranks 1..N-1: build this rank, report, then follow rank 0's steps until STOP."""
-    torch.set_num_threads(_threads(opts, world))
+    model_dir, max_len, spec = job
+    torch.set_num_threads(spec.threads)
     try:
         _join(rank, world, init_method)
-        rt = RankRuntime(opts, _model_group(opts.device, rank, world), token_map)
+        rt = RankRuntime.build(model_dir, max_len, spec, _model_group(spec.device, rank, world), token_map)
     except BaseException as e:  # reported to rank 0 verbatim, then we exit
         ready.send(f"rank {rank}: {type(e).__name__}: {e}")
         return
@@ -85,26 +83,37 @@ def torchrun_follower() -> int:
     _join(rank, world, "env://")
     box = [None, None]  # rank 0 sends them once it has joined; if it fails before that, torchrun ends us
     dist.broadcast_object_list(box, src=0)
-    opts, token_map = box
-    torch.set_num_threads(_threads(opts, world))
-    tp = _model_group(opts.device, rank, world)
-    rt, status = None, "ok"
-    try:
+    (model_dir, max_len, spec), token_map = box
+    torch.set_num_threads(spec.threads)
+    tp = _model_group(spec.device, rank, world)
+    rt = RankRuntime(model_dir, max_len, spec, tp, token_map)
+
+    def dense() -> None:
         if local_rank == 0:  # another host: its page cache serves its own copy of the store
-            build_store(Checkpoint.open(opts.model_dir), opts.cache_dir, tp=world, fmt=opts.expert_format,
-                        progress=False, rebuild=opts.rebuild_store)  # fmt: skip
-        rt = RankRuntime(opts, tp, token_map)
-    except Exception as e:
-        status = f"rank {rank}: {type(e).__name__}: {e}"
-    statuses: list = [None] * world
-    dist.all_gather_object(statuses, status)
-    if rt is None or any(s != "ok" for s in statuses):
-        if rt is not None:
+            build_store(Checkpoint.open(model_dir), spec.cache_dir, tp=world, fmt=spec.expert_format,
+                        progress=False, rebuild=spec.rebuild_store)  # fmt: skip
+        rt.load_dense()
+
+    # the same two steps as rank 0, each ending in a gather of every rank's status (TPRunner._torchrun_step)
+    for step in (dense, rt.allocate):
+        if any(s != "ok" for s in _gather_status(rank, world, step)[0]):
             rt.close()
-        dist.destroy_process_group()
-        return 1
+            dist.destroy_process_group()
+            return 1
     _follow_until_stopped(rt, rank)
     return 0
+
+
+def _gather_status(rank: int, world: int, step) -> tuple[list, Exception | None]:
+    """Run step() on this rank, then gather every rank's outcome ("ok" or the error) -> (statuses, this error)."""
+    status, error = "ok", None
+    try:
+        step()
+    except Exception as e:
+        status, error = f"rank {rank}: {type(e).__name__}: {e}", e
+    statuses: list = [None] * world
+    dist.all_gather_object(statuses, status)
+    return statuses, error
 
 
 def _follow_until_stopped(rt: RankRuntime, rank: int) -> None:
@@ -133,61 +142,85 @@ def follow(rt: RankRuntime) -> None:
             rt.forward(tokens, start_pos, bool(last_only))
 
 
-def check_tp(cfg: ModelConfig, world: int) -> None:
-    """Refuse a degree the attention cannot be split by (heads are the unit); everything else pads."""
-    if world < 1:
-        raise ConfigError(f"tensor-parallel degree must be a positive integer, got {world}")
-    if cfg.num_attention_heads % world:
-        raise ConfigError(
-            f"tensor-parallel degree {world} does not divide this model's {cfg.num_attention_heads} attention heads; "
-            f"use one of {[d for d in (1, 2, 4, 8) if cfg.num_attention_heads % d == 0]}"
-        )
-
-
 class TPRunner:
     """The Engine's Runner over N ranks; rank 0 runs in this process. Under torchrun the other ranks are torchrun's
-    processes (torchrun_follower); otherwise this spawns them."""
+    processes (torchrun_follower); otherwise this spawns them. Built in two steps, as the boot's phases: the
+    constructor starts the ranks and loads rank 0's dense shard (the others load theirs meanwhile), `allocate()`
+    gives every rank its decode state, slots and graphs and waits until all are ready."""
 
-    def __init__(self, opts: EngineOptions, world: int, token_map, vocab_size: int):
-        check_tp(ModelConfig.from_file(opts.model_dir), world)
-        self.opts, self.world = opts, world
-        self.max_len, self.vocab_size = opts.max_len, vocab_size
+    def __init__(self, model_dir: str, max_len: int, spec: EngineSpec, token_map):
+        if not spec.resolved:
+            raise ConfigError("the ranks start from a resolved engine spec (runtime.spec.resolve)")
+        cfg = ModelConfig.from_file(model_dir)
+        check_tp(cfg, spec.tp)
+        self.spec, self.world = spec, spec.tp
+        self.max_len, self.vocab_size = max_len, cfg.vocab_size
         self.procs: list[mp.process.BaseProcess] = []
+        self._pipes: list = []
+        self.allocated = False
+        job = (model_dir, max_len, spec)
         launched = launched_rank()
         if launched is not None:
-            self._join_torchrun(launched, token_map)
+            self._join_torchrun(launched, job, token_map)
             return
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
-        pipes = []
-        for rank in range(1, world):
+        for rank in range(1, self.world):
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=worker_main,
-                args=(rank, world, init, opts, token_map, child),
+                args=(rank, self.world, init, job, token_map, child),
                 daemon=True,
                 name=f"dsflash-rank{rank}",
             )
             p.start()
             self.procs.append(p)
-            pipes.append(parent)
-        torch.set_num_threads(_threads(opts, world))
+            self._pipes.append(parent)
+        torch.set_num_threads(spec.threads)
         try:
-            if world > 1:
-                _join(0, world, init)
-                self.tp = _model_group(opts.device, 0, world)
+            if self.world > 1:
+                _join(0, self.world, init)
+                self.tp = _model_group(spec.device, 0, self.world)
             else:
                 self.tp = TP.single()
-            self.rank0 = RankRuntime(opts, self.tp, token_map)
-            for rank, pipe in enumerate(pipes, start=1):
-                msg = pipe.recv() if pipe.poll(600) else f"rank {rank}: did not start within 10 minutes"
-                if msg != "ok":
-                    raise EngineDead(f"tensor-parallel {msg}")
+            self.rank0 = RankRuntime(model_dir, max_len, spec, self.tp, token_map)
+            self.rank0.load_dense()
         except BaseException:
             self._kill()
             raise
 
-    def _join_torchrun(self, launched: tuple[int, int, int, int], token_map) -> None:
+    def allocate(self) -> None:
+        """Every rank's decode state, slot pool and graphs; returns once every rank is ready to run."""
+        if launched_rank() is not None:
+            self._torchrun_step(self.rank0.allocate)
+            self.allocated = True
+            return
+        try:
+            self.rank0.allocate()
+            for rank, pipe in enumerate(self._pipes, start=1):
+                msg = pipe.recv() if pipe.poll(600) else f"rank {rank}: did not start within 10 minutes"
+                if msg != "ok":
+                    raise EngineDead(f"tensor-parallel {msg}")
+        except BaseException as e:
+            failed = self._reported_failure()  # a rank that failed to build ends rank 0's collectives: say why
+            self._kill()
+            if failed is not None and not isinstance(e, EngineDead):
+                raise EngineDead(f"tensor-parallel {failed}") from e
+            raise
+        self.allocated = True
+
+    def _reported_failure(self) -> str | None:
+        for pipe in self._pipes:
+            try:
+                if pipe.poll(1):
+                    msg = pipe.recv()
+                    if msg != "ok":
+                        return msg
+            except (EOFError, OSError):
+                continue
+        return None
+
+    def _join_torchrun(self, launched: tuple[int, int, int, int], job: tuple, token_map) -> None:
         rank, size = launched[:2]
         if rank != 0 or size != self.world:
             raise ConfigError(
@@ -195,19 +228,18 @@ class TPRunner:
                 "give --tp the same number as torchrun's processes in all"
             )
         _join(0, size, "env://")
-        dist.broadcast_object_list([self.opts, token_map], src=0)
-        self.tp = _model_group(self.opts.device, 0, size)
-        status, error = "ok", None
-        try:
-            self.rank0 = RankRuntime(self.opts, self.tp, token_map)
-        except Exception as e:
-            status, error = f"rank 0: {type(e).__name__}: {e}", e
-        statuses: list = [None] * size
-        dist.all_gather_object(statuses, status)
+        dist.broadcast_object_list([job, token_map], src=0)
+        torch.set_num_threads(self.spec.threads)
+        self.tp = _model_group(self.spec.device, 0, size)
+        self.rank0 = RankRuntime(*job, self.tp, token_map)
+        self._torchrun_step(self.rank0.load_dense)
+
+    def _torchrun_step(self, step) -> None:
+        """One build step on rank 0 with every follower doing the same (torchrun_follower), then their statuses."""
+        statuses, error = _gather_status(0, self.world, step)
         failed = [s for s in statuses if s != "ok"]
         if failed:
-            if error is None:
-                self.rank0.close()
+            self.rank0.close()
             dist.destroy_process_group()
             if error is not None:
                 raise error
@@ -244,8 +276,9 @@ class TPRunner:
             raise
         return logits
 
-    def counters(self) -> dict:
-        return self.rank0.counters()
+    def counters(self) -> ExpertCounters:
+        """Rank 0's lookups (every rank makes the same slot choices), the bytes of all ranks."""
+        return self.rank0.counters().scaled_bytes(self.world)
 
     def check_alive(self) -> None:
         for i, p in enumerate(self.procs, start=1):

@@ -1,10 +1,9 @@
 """One tensor-parallel rank of the engine: its shard of the dense weights, its slot pool over its store shard,
-and its decode state. Every rank runs the same forward calls; only rank 0 samples."""
+and its decode state, built in the boot's phases. Every rank runs the same forward calls; only rank 0 samples."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
@@ -15,55 +14,18 @@ from dsflash.model.block import Embedding
 from dsflash.model.engram import EngramTable
 from dsflash.model.parallel import TP
 from dsflash.model.transformer import Transformer
-from dsflash.runtime import fused, native
-from dsflash.runtime.cached_experts import CachedExperts
-from dsflash.runtime.dense import pack_dense
-from dsflash.runtime.device import CpuDevice, Device
-from dsflash.runtime.torchrun import local_rank, local_world
-from dsflash.store.build import open_store
+from dsflash.runtime.counters import ExpertCounters
+from dsflash.runtime.cpu import fused, native
+from dsflash.runtime.cpu.dense import pack_dense
+from dsflash.runtime.experts.cached import CachedExperts
+from dsflash.runtime.experts.device import CpuDevice, Device
+from dsflash.runtime.spec import DEFAULT_SLOTS, EngineSpec
+from dsflash.runtime.tp.torchrun import local_rank, local_world
+from dsflash.store.reader import open_store
 
 log = logging.getLogger(__name__)
 
-DENSE_FORMATS = ("fp8", "bf16", "fp32")
 MATMUL = {"bf16": torch.bfloat16, "fp32": torch.float32, "bf16x2": native.BF16X2}
-PREFILL_MATMUL = ("auto", *MATMUL)
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """What every rank needs to build its part (picklable: sent to spawned worker ranks)."""
-
-    model_dir: str
-    max_len: int
-    expert_slots: int | None = None  # None: DEFAULT_SLOTS, shrunk to fit memory (slot_count)
-    expert_format: str = "bfp4_b"
-    dense_format: str = "fp8"  # fp8 (where the checkpoint is FP8, bf16 elsewhere) | bf16 | fp32 (the reference's)
-    cache_dir: str | None = None
-    qat: bool = True
-    dspark: bool = False
-    threads: int | None = None  # torch / kernel threads per rank (default: cores / ranks)
-    record_routing: str | None = None  # JSON-lines file for every MoE call's routing (rank 0; runtime.routing_log)
-    # prefill products: fp32 (the BLAS; exact products), bf16x2 (AMX with x as two bf16 terms: ~16 bits of x, fp32
-    # sums in a fixed order; 1.8-2.7x the fp32 BLAS here), bf16 (the BLAS in bf16 where a rank computes whole
-    # outputs: x and outputs rounded to bf16, and the rounding depends on the BLAS blocking, so TP degrees differ by
-    # a bf16 ulp); auto: bf16x2 where the CPU has AMX, else fp32. fp32 and bf16x2 keep TP degrees equal to fp32 noise.
-    prefill_matmul: str = "auto"
-    # where a rank computes: cpu, cuda (rank r on GPU r % count), or auto (cuda where torch sees a GPU)
-    device: str = "auto"
-    # the head's FP8 screen for decode (runtime.dense.ScreenedHead) under dense_format fp8: None where the head is
-    # large enough to pay (dense.SCREEN_HEAD_MIN_BYTES a rank), True / False to force it
-    screen_head: bool | None = None
-    # replace a store from another revision or store version (torchrun: the other hosts' first ranks build theirs)
-    rebuild_store: bool = False
-    # how a CPU rank fills a slot on a miss: map (the store's page-cache pages mapped into the slot, runtime/filemap.py;
-    # copies where the system cannot map) or copy (preadv into the slot's own memory)
-    slot_fill: str = "map"
-    # a CUDA rank captures its decode step as CUDA graphs at start (runtime/cuda_graph.py); False keeps it eager
-    # (vLLM's --enforce-eager). Ranks that reach each other through host copies (gloo between GPUs) stay eager.
-    cuda_graph: bool = True
-
-
-DEFAULT_SLOTS = 4500  # the reference box's pool
 
 
 def slot_count(requested: int | None, total: int, slot_bytes: int, budget: int) -> int:
@@ -100,78 +62,82 @@ def _ranks_sharing(device: torch.device, tp: TP) -> int:
     return sum(1 for r in range(local) if r % gpus == me % gpus)  # rank_device's mapping
 
 
-def prefill_matmul(mode: str) -> str:
-    """The prefill product mode this process runs: auto picks bf16x2 where AMX works, else fp32."""
-    if mode not in PREFILL_MATMUL:
-        raise ValueError(f"prefill matmul {mode!r}: choose one of {', '.join(PREFILL_MATMUL)}")
-    if mode in ("auto", "bf16x2") and not native.amx_ready():
-        if mode == "bf16x2":
-            log.warning("prefill matmul bf16x2 needs AMX-BF16 and the native kernels: using fp32")
-        return "fp32"
-    return "bf16x2" if mode == "auto" else mode
-
-
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def resolve_device(name: str) -> str:
-    """auto -> cuda where torch sees a GPU, else cpu; cuda without a GPU is refused."""
-    if name not in DEVICES:
-        raise ConfigError(f"device {name!r}: choose one of {', '.join(DEVICES)}")
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: this torch build sees no CUDA GPU")
-    return name
-
-
 def rank_device(name: str, rank: int) -> torch.device:
-    """The torch device of TP rank `rank`: the GPU of its local rank (torchrun's LOCAL_RANK, else the rank)."""
-    if resolve_device(name) == "cpu":
+    """The torch device of TP rank `rank` of a resolved spec's device: the GPU of its local rank (torchrun's
+    LOCAL_RANK, else the rank)."""
+    if name == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", local_rank(rank) % torch.cuda.device_count())
 
 
 class RankRuntime:
-    def __init__(self, opts: EngineOptions, tp: TP, token_map, device: Device | None = None):
-        self.opts, self.tp = opts, tp
-        ckpt = Checkpoint.open(opts.model_dir)
-        cfg = ckpt.config
-        self.cfg = cfg
-        matmul = MATMUL[prefill_matmul(opts.prefill_matmul)]
-        self.device = rank_device(opts.device, tp.rank)
-        self.model = Transformer(cfg, tp=tp, token_map=token_map, qat=opts.qat, dspark=opts.dspark)
+    """Built in steps, each a phase of the boot: `load_dense` (the model, its dense shard in device formats, the
+    kernel hooks), then `allocate` (the decode state, the slot pool over the store shard, the CUDA graphs)."""
+
+    def __init__(self, model_dir: str, max_len: int, spec: EngineSpec, tp: TP, token_map, device: Device | None = None):
+        if not spec.resolved:
+            raise ConfigError("a rank is built from a resolved engine spec (runtime.spec.resolve)")
+        self.model_dir, self.max_len, self.spec, self.tp, self.token_map = model_dir, max_len, spec, tp, token_map
+        self.slot_device = device  # None: the rank's own (CpuDevice or CudaDevice)
+        self.device = rank_device(spec.device, tp.rank)
+        self.model = self.state = self.experts = self.graph = self.routing_log = None
+        self.dense_bytes = 0
+        self._ckpt = None
+
+    @classmethod
+    def build(cls, model_dir: str, max_len: int, spec: EngineSpec, tp: TP, token_map) -> RankRuntime:
+        rt = cls(model_dir, max_len, spec, tp, token_map)
+        rt.load_dense()
+        rt.allocate()
+        return rt
+
+    def load_dense(self) -> None:
+        """The model with this rank's shard of the checkpoint, its dense weights packed for the device."""
+        spec, tp = self.spec, self.tp
+        self._ckpt = ckpt = Checkpoint.open(self.model_dir)
+        self.cfg = cfg = ckpt.config
+        self.matmul = MATMUL[spec.prefill_matmul]
+        self.model = Transformer(cfg, tp=tp, token_map=self.token_map, qat=spec.qat, dspark=spec.dspark)
         load_into(self.model, ckpt)
         on_gpu = self.device.type == "cuda"
-        # the decode step as CUDA graphs (runtime/cuda_graph.py); not where collectives go through host copies
-        graphs = on_gpu and opts.cuda_graph and not tp.host_staging
-        if on_gpu or opts.dense_format != "fp32":
+        if on_gpu or spec.dense_format != "fp32":
             for m in self.model.modules():  # embedding rows are only gathered: bf16 halves them for free
                 if isinstance(m, Embedding):
                     m.weight.data = m.weight.data.bfloat16()
+        sinkhorn = None
         if on_gpu:
-            from dsflash.runtime import cuda, triton_linear
+            from dsflash.runtime.cuda import device as cuda
+            from dsflash.runtime.cuda import triton_linear, triton_mhc
 
             torch.cuda.set_device(self.device)
-            self.dense_bytes = cuda.pack_dense(self.model, self.device, ckpt, opts.dense_format)
+            self.dense_bytes = cuda.pack_dense(self.model, self.device, ckpt, spec.dense_format)
             to_device(self.model, self.device)
-            device = device or cuda.CudaDevice(self.device)
-            triton_linear.warm_up(self.device, ("bf16", "fp8", opts.expert_format), cfg.fp8_block)  # dense, experts
-        elif opts.dense_format != "fp32":
-            self.dense_bytes = pack_dense(self.model, ckpt, opts.dense_format, matmul, screen_head=opts.screen_head)
-        fused.fill(self.model, on_gpu)
+            self.slot_device = self.slot_device or cuda.CudaDevice(self.device)
+            triton_linear.warm_up(self.device, ("bf16", "fp8", spec.expert_format), cfg.fp8_block)  # dense, experts
+            sinkhorn = triton_mhc.sinkhorn
+        elif spec.dense_format != "fp32":
+            screen = spec.screen_head
+            self.dense_bytes = pack_dense(self.model, ckpt, spec.dense_format, self.matmul, screen_head=screen)
+        fused.fill(self.model, sinkhorn)
         self.model.eval()
-        store = open_store(ckpt, opts.cache_dir, tp=tp.size, fmt=opts.expert_format)
-        ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
-        device = device or CpuDevice(matmul, opts.slot_fill)
-        self.routing_log = _routing_log(opts, tp, cfg)
-        self.state = self.model.new_state(opts.max_len, device=self.device)  # before the slots take what is left
+
+    def allocate(self) -> None:
+        """The decode state for max_len tokens, then as many expert slots as the memory left holds (every rank the
+        same count), the slot pool over this rank's store shard, and the decode step's CUDA graphs."""
+        spec, tp, cfg = self.spec, self.tp, self.cfg
+        store = open_store(self._ckpt, spec.cache_dir, tp=tp.size, fmt=spec.expert_format)
+        self._ckpt.close()  # dense weights are copied: drop the checkpoint's mappings (Engram tables stay mapped)
+        self._ckpt = None
+        device = self.slot_device or CpuDevice(self.matmul, spec.slot_fill)
+        self.routing_log = _routing_log(spec, tp, cfg)
+        self.state = self.model.new_state(self.max_len, device=self.device)  # before the slots take what is left
         # every rank gets the same count: the smallest budget decides (ranks of a host share its memory)
         budget = tp.agree_min(device.slot_budget() // _ranks_sharing(self.device, tp))
         total = sum(s.n_experts for s in cfg.layers())
-        n_slots = slot_count(opts.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
+        n_slots = slot_count(spec.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
-        self.graph = None
+        # the decode step as CUDA graphs (runtime/cuda/graph.py); not where collectives go through host copies
+        graphs = self.device.type == "cuda" and spec.cuda_graph and not tp.host_staging
         short = graph_slots_short(n_slots, cfg)
         if graphs and short:
             log.warning("decode runs without CUDA graphs: %d expert slots hold fewer than the %d experts a token "
@@ -179,7 +145,7 @@ class RankRuntime:
                         "waves)", n_slots, short)  # fmt: skip
             graphs = False
         if graphs:
-            from dsflash.runtime.cuda_graph import GraphDecode
+            from dsflash.runtime.cuda.graph import GraphDecode
 
             try:
                 self.graph = GraphDecode(self.model, self.state, self.experts, self.device)
@@ -212,11 +178,14 @@ class RankRuntime:
             return self.graph.step(int(tokens[0, 0]), start_pos)
         return self.model(tokens.to(self.device), start_pos, self.state, self.experts, last_only=last_only)
 
-    def counters(self) -> dict:
+    def counters(self) -> ExpertCounters:
         return self.experts.counters()
 
     def close(self) -> None:
-        self.experts.close()
+        if self.experts is not None:
+            self.experts.close()
+        if self._ckpt is not None:
+            self._ckpt.close()
 
 
 def to_device(model: torch.nn.Module, device: torch.device) -> None:
@@ -233,11 +202,11 @@ def to_device(model: torch.nn.Module, device: torch.device) -> None:
                 m._buffers[name] = b.to(device)
 
 
-def _routing_log(opts: EngineOptions, tp: TP, cfg):
+def _routing_log(spec: EngineSpec, tp: TP, cfg):
     """The --record-routing recorder on rank 0 (every rank routes the same), else None."""
-    if not opts.record_routing or tp.rank != 0:
+    if not spec.record_routing or tp.rank != 0:
         return None
-    from dsflash.runtime.routing_log import RoutingLog
+    from dsflash.runtime.experts.routing_log import RoutingLog
 
     moe = [s for s in cfg.layers() if not s.is_dspark and s.n_experts]
-    return RoutingLog(opts.record_routing, [s.layer_id for s in moe], moe[0].n_experts, moe[0].n_active)
+    return RoutingLog(spec.record_routing, [s.layer_id for s in moe], moe[0].n_experts, moe[0].n_active)

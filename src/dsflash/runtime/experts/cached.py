@@ -11,8 +11,9 @@ import time
 
 import torch
 
-from dsflash.runtime.device import Device, PackedMatrix, ShardLayout
-from dsflash.runtime.slots import SlotPool
+from dsflash.runtime.counters import ExpertCounters
+from dsflash.runtime.experts.device import Device, PackedMatrix, ShardLayout
+from dsflash.runtime.experts.slots import SlotPool
 
 
 def shard_layout(geometry) -> ShardLayout:
@@ -70,7 +71,7 @@ class CachedExperts:
 
     def acquire_decode(self, layer: int, cols: list[int]) -> list[int]:
         """One token's routed experts (distinct ids) resident and pinned; their slots in routing column order. For
-        a captured decode step (runtime/cuda_graph.py), whose kernels read the slots from a table; release() unpins
+        a captured decode step (runtime/cuda/graph.py), whose kernels read the slots from a table; release() unpins
         them."""
         experts = list(cols)
         self._resident_first(layer, experts)
@@ -112,8 +113,10 @@ class CachedExperts:
             self._fds[layer] = os.open(path, os.O_RDONLY)
         return self._fds[layer]
 
-    def counters(self) -> dict:
-        return {**self.pool.counters(), "bytes_copied": self.bytes_copied, "copy_s": self.copy_s}
+    def counters(self) -> ExpertCounters:
+        """This rank's counters (its own bytes)."""
+        pool = self.pool
+        return ExpertCounters(pool.hits, pool.misses, pool.evictions, self.bytes_copied, self.copy_s)
 
     def zero_counters(self) -> None:
         self.pool.zero_counters()

@@ -5,7 +5,7 @@
  * 2 = rows 16-31 x cols 0-15, 3 = rows 16-31 x cols 16-31), each face 16 rows of 16 sign-magnitude codes.
  * value = (-1)^s * q * 2^(E - 127 - (m - 1)) with m = 3 (bfp4_b: nibbles, low nibble first) or 7 (bfp8_b: bytes).
  *
- * Built at first use with the system C compiler (-O3 -march=native -fopenmp) by runtime/native.py, which links
+ * Built at first use with the system C compiler (-O3 -march=native -fopenmp) by runtime/cpu/native.py, which links
  * the OpenMP runtime torch already loaded, so these kernels share torch's thread team instead of fighting it.
  * The generic loops are the fallback the compiler vectorizes where AVX-512 is absent. */
 #include <math.h>

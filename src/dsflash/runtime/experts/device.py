@@ -1,7 +1,7 @@
 """Device: where the expert slots live and how an expert's packed tiles are applied to activations.
 
 The engine only needs three things from a device: a pool of fixed-size slot buffers allocated once, a store range
-brought into a slot (copied; on the CPU mapped where the system allows, runtime/filemap.py), and the expert FFN
+brought into a slot (copied; on the CPU mapped where the system allows, runtime/experts/filemap.py), and the expert FFN
 computed straight from a slot's block-float tiles (and close(), to let go of whatever helps it copy). CPU is below;
 a Tenstorrent or CUDA back end implements the same calls.
 """
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.model.experts import swiglu
-from dsflash.runtime import filemap, hugepages, native
+from dsflash.runtime.cpu import hugepages, native
+from dsflash.runtime.experts import filemap
 
 # a copy into a slot is split over the rank's threads above this size: one thread copying from the page cache gets
 # about half of what two get (4.2 vs 8.3 GB/s here)
@@ -144,7 +145,7 @@ class SplitReader:
 
 
 class CpuDevice:
-    """Slots in process memory; experts computed by the native block-float kernels (runtime/native.py).
+    """Slots in process memory; experts computed by the native block-float kernels (runtime/cpu/native.py).
 
     Few tokens per expert (decode): fused GEMVs straight on the tiles, fp32 activations. Many (prefill): the tiles
     expand (exactly) and multiply as matrices in `matmul_dtype`: fp32 (the BLAS), native.BF16X2 (AMX, fp32-grade

@@ -23,7 +23,7 @@ def empty(nbytes: int, own_mapping: bool = False) -> np.ndarray:
     """uint8 [nbytes], zero-filled, page-aligned; huge-page aligned and advised when at least MIN_BYTES.
 
     own_mapping: always a mapping of its own, never heap memory, whatever the size (its pages may then be replaced,
-    runtime/filemap.py, without touching anything the allocator hands out again)."""
+    runtime/experts/filemap.py, without touching anything the allocator hands out again)."""
     if nbytes < MIN_BYTES and not own_mapping:
         raw = np.zeros(nbytes + PAGE, dtype=np.uint8)
         start = -raw.ctypes.data % PAGE

@@ -1,6 +1,6 @@
 """The CUDA device: expert slots in GPU memory filled from the store through pinned staging buffers, the routed
 expert FFN straight from a slot's bfp tiles, and dense weights kept as the checkpoint's FP8 blocks (bf16 where it has
-no FP8) on the GPU. Every product is the Triton kernel of runtime/triton_linear.py (bf16 tensor-core products of x
+no FP8) on the GPU. Every product is the Triton kernel of runtime/cuda/triton_linear.py (bf16 tensor-core products of x
 split in two bf16 terms, fp32 sums).
 
 Imported only when a rank runs on CUDA: the CPU engine needs neither triton nor a GPU. With TRITON_INTERPRET=1 the
@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from dsflash.model.experts import swiglu
-from dsflash.runtime import dense, triton_linear
-from dsflash.runtime.dense import Bf16Weight, Fp8Weight
-from dsflash.runtime.device import PackedMatrix, ShardLayout, SplitReader, expert_sum
+from dsflash.runtime.cpu import dense
+from dsflash.runtime.cpu.dense import Bf16Weight, Fp8Weight
+from dsflash.runtime.cuda import triton_linear
+from dsflash.runtime.experts.device import PackedMatrix, ShardLayout, SplitReader, expert_sum
 
 SLOT_ALIGN = 256  # bytes: every slot starts where a vector load of its tiles is aligned
 
@@ -56,7 +57,7 @@ def pack_dense(model: nn.Module, device: torch.device, ckpt, fmt: str = "fp8") -
 
 
 class CudaDevice:
-    """Device (runtime/device.py) on one GPU. A miss is read from the page cache into one of two pinned buffers
+    """Device (runtime/experts/device.py) on one GPU. A miss is read from the page cache into one of two pinned buffers
     while the other's copy to the GPU is still in flight; copies and expert kernels share the current stream, so a
     slot is never overwritten while a kernel still reads it."""
 

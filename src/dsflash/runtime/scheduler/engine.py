@@ -10,8 +10,9 @@ from typing import Protocol
 import torch
 
 from dsflash.errors import ContextTooLong, EngineDead, InvalidRequest, NotReady
-from dsflash.runtime.queue import GenerationRequest, Handle, RequestQueue, TokenEvent
-from dsflash.runtime.sampler import Sampler, top_logprobs
+from dsflash.runtime.counters import ExpertCounters
+from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, RequestQueue, StepStats, TokenEvent
+from dsflash.runtime.scheduler.sampler import Sampler, top_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class Runner(Protocol):
         """fp32 logits [s, V] (all positions) or [1, V] (last)."""
         ...
 
-    def counters(self) -> dict: ...
+    def counters(self) -> ExpertCounters: ...
 
 
 class Engine:
@@ -121,14 +122,14 @@ class Engine:
             return self._finish(handle, TokenEvent(None, 0, finish_reason="cancelled"))
         handle.started.set()
         sampler = Sampler(params)
-        t0, counters_start = time.perf_counter(), self.runner.counters()
+        t0, experts_start = time.perf_counter(), self.runner.counters()
         logits = self._prefill(handle, list(req.prompt), params.prompt_logprobs)
         if logits is None:
             return self._finish(handle, TokenEvent(None, 0, finish_reason="cancelled"))
         last, prompt_lp = logits
         self.counters["prompt_tokens"] += len(req.prompt)
-        # counters_start lets the consumer turn the runner's cumulative counters into this request's share
-        stats = {"ttft_s": time.perf_counter() - t0, "counters_start": counters_start, **self.runner.counters()}
+        # experts_start lets the consumer turn the runner's cumulative counters into this request's share
+        stats = StepStats(experts_start, self.runner.counters(), ttft_s=time.perf_counter() - t0)
         pos = len(req.prompt)
         for index in range(params.max_tokens):
             s = sampler(last)
@@ -146,7 +147,7 @@ class Engine:
             t = time.perf_counter()
             last = self.runner.forward([s.token], pos, False)[-1]
             pos += 1
-            stats = {"step_s": time.perf_counter() - t, **self.runner.counters()}
+            stats = StepStats(experts_start, self.runner.counters(), step_s=time.perf_counter() - t)
         # max_tokens == 0: only the prompt was scored (echo + logprobs)
         self._finish(handle, TokenEvent(None, 0, finish_reason="length", prompt_logprobs=prompt_lp, stats=stats))
 

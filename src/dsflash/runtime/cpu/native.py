@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsflash.paths import kernel_dir
+
 log = logging.getLogger(__name__)
 
 MBITS = {"bfp4_b": 3, "bfp8_b": 7}
@@ -27,11 +29,6 @@ _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp")
 GENERIC_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-fopenmp")  # no AVX-512: the portable loops
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("DSFLASH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "dsflash")
-    return Path(root) / "kernels"
 
 
 def _cpu_signature() -> bytes:
@@ -49,11 +46,11 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler found: the engine's CPU kernels fall back to torch (slower)")
         return None
-    csrc = resources.files("dsflash.runtime") / "csrc"
+    csrc = resources.files("dsflash.runtime.cpu") / "csrc"
     names = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c", "mhc_cpu.c")
     src = b"".join((csrc / n).read_bytes() for n in names)
     key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_signature()).hexdigest()[:16]
-    out = cache_dir() / f"dsflash_cpu-{key}.so"
+    out = kernel_dir() / f"dsflash_cpu-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 
 Both formats hold the checkpoint's values exactly (FP8 x power-of-two block scale; BF16). Few rows (decode) run
 the native GEMV kernels: fp32 activations, fp32 products, about one read of the weight. Many rows (prefill) expand
-the weight and multiply as matrices, in the prefill matmul mode (runtime.rank.EngineOptions): bf16x2 on AMX (x as
+the weight and multiply as matrices, in the prefill matmul mode (runtime.spec.EngineSpec): bf16x2 on AMX (x as
 two bf16 terms, fp32 sums in a fixed order per output; FP8 expands panel by panel inside the product), fp32 on the
 BLAS, or bf16 on the BLAS where every rank computes whole outputs (fp32 where a rank produces partial sums). fp32
 and bf16x2 runs at any TP degree differ from a TP-1 run only in the order partial sums are added.
@@ -17,7 +17,7 @@ from torch import nn
 from dsflash.formats import fp8
 from dsflash.model.block import Head
 from dsflash.model.layers import Linear, RowParallelLinear
-from dsflash.runtime import hugepages, native
+from dsflash.runtime.cpu import hugepages, native
 
 GEMV_MAX_ROWS = 8  # more rows are multiplied as matrices
 # where the matrices are multiplied on AMX (bf16x2), the GEMV is faster only for fewer rows (2 cores, 4096 x 5120:
@@ -223,7 +223,7 @@ def _screens(w: torch.Tensor, screen_head: bool | None) -> bool:
 
 def _to_huge_pages(p) -> None:
     """The packed matrix off the checkpoint's mapping (or a 4 KiB-page copy) into huge pages, once: the decode GEMV
-    streams it (runtime/hugepages.py). Row slices of it (rows(), a grouped projection's groups) are views."""
+    streams it (runtime/cpu/hugepages.py). Row slices of it (rows(), a grouped projection's groups) are views."""
     if isinstance(p, ScreenedHead):  # decode reads the screen; the bf16 rows only where re-scored (or prefill)
         p.screen.q = hugepages.copy(p.screen.q)
     elif isinstance(p, Fp8Weight):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dsflash.runtime.loader import LoadedModel
+from dsflash.runtime.counters import ExpertCounters
+from dsflash.runtime.reference.loader import LoadedModel
 
 
 class ModelRunner:
@@ -20,6 +21,5 @@ class ModelRunner:
     def forward(self, tokens: list[int], start_pos: int, all_logits: bool) -> torch.Tensor:
         return self.model(torch.tensor([tokens]), start_pos, self.state, self.experts, last_only=not all_logits)[0]
 
-    def counters(self) -> dict:
-        counters = getattr(self.experts, "counters", None)
-        return counters() if callable(counters) else {}
+    def counters(self) -> ExpertCounters:
+        return ExpertCounters()  # every expert is resident: nothing is looked up or streamed

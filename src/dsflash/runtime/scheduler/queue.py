@@ -8,7 +8,8 @@ import threading
 from dataclasses import dataclass, field
 
 from dsflash.errors import EngineDead, Overloaded
-from dsflash.runtime.sampler import SamplingParams
+from dsflash.runtime.counters import ExpertCounters
+from dsflash.runtime.scheduler.sampler import SamplingParams
 
 _ids = itertools.count(1)
 
@@ -18,6 +19,16 @@ class GenerationRequest:
     prompt: tuple[int, ...]
     params: SamplingParams
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the runner counted up to an event, so that a consumer can tell one request's share."""
+
+    experts_start: ExpertCounters  # the runner's counters when the request's prefill began
+    experts: ExpertCounters  # ... after the step that produced this event
+    ttft_s: float | None = None  # prefill seconds (on the first event)
+    step_s: float | None = None  # the decode step's seconds (on later events)
 
 
 @dataclass
@@ -31,7 +42,7 @@ class TokenEvent:
     finish_reason: str | None = None  # stop | length | cancelled
     stop_token: bool = False  # the token is EOS / a stop id: counted, never rendered as text
     prompt_logprobs: list | None = None  # on the first event when asked: per prompt position (None for 0)
-    stats: dict = field(default_factory=dict)
+    stats: StepStats | None = None
 
 
 class Handle:

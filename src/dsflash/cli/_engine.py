@@ -1,0 +1,97 @@
+"""The engine's flags, shared by every command that runs it (serve, gates, logits): each flag's default is the
+engine spec's own (runtime.spec.EngineSpec), and `engine_spec` is the one way a command turns them into a spec."""
+
+from __future__ import annotations
+
+import argparse
+
+from dsflash.paths import CACHE_DEFAULT
+from dsflash.runtime.spec import DEFAULT_SLOTS, DEVICES, EXPERT_FORMATS, EngineSpec  # no torch: the CLI stays light
+
+SPEC = EngineSpec()  # every default below is the spec's
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: bool = False) -> None:
+    """--tp, --expert-slots, --expert-format, --device, --enforce-eager, --cache-dir, --rebuild; with serving also
+    --prefill-chunk and --record-routing. `prefix` starts each help text (e.g. "engine: ")."""
+    p.add_argument("--tp", type=int, default=SPEC.tp, help=f"{prefix}tensor-parallel degree")
+    p.add_argument(
+        "--expert-slots",
+        type=int,
+        default=SPEC.expert_slots,
+        help=f"{prefix}expert slots per rank (default: {DEFAULT_SLOTS}, clipped to the model and to the memory left; "
+        "an explicit count that does not fit is refused)",
+    )
+    add_expert_format_argument(p, prefix)
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=SPEC.device,
+        help=f"{prefix}where the engine computes: cuda (TP rank r on GPU r %% count), cpu, or auto (cuda where torch "
+        "sees a GPU)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help=f"{prefix}on a GPU, run the decode step eagerly instead of replaying it as CUDA graphs captured at start "
+        "(slower; for debugging, or where a capture fails)",
+    )
+    p.add_argument(
+        "--cache-dir",
+        default=SPEC.cache_dir,
+        help=f"{prefix}generated models, expert stores and built kernels (default: {CACHE_DEFAULT})",
+    )
+    p.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="replace the expert store for this TP degree and tile format where it was built from another revision "
+        "of the model or by another store version (without it such a store is refused: rebuilding V4.1-Flash's takes "
+        "tens of minutes). A store for another TP degree or format is never touched: each has its own",
+    )
+    if not serving:
+        return
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=SPEC.prefill_chunk,
+        help="prompt tokens per prefill pass: each pass streams the experts its tokens touch once, so longer passes "
+        "stream less per prompt token (long prompts' TTFT) and hold more activations",
+    )
+    p.add_argument(
+        "--record-routing",
+        default=None,
+        metavar="FILE",
+        help="append the expert routing of every MoE call to FILE (JSON lines; engine backend) for "
+        "`dsflash simulate --trace FILE`",
+    )
+
+
+def add_expert_format_argument(p: argparse.ArgumentParser, prefix: str = "", flag: str = "--expert-format") -> None:
+    p.add_argument(
+        flag,
+        dest="expert_format",
+        choices=EXPERT_FORMATS,
+        default=SPEC.expert_format,
+        help=f"{prefix}tile format of the routed experts: bfp8_b holds FP4 experts exactly at twice the bytes, "
+        "bfp4_b is lossy; auto takes bfp8_b where the whole store fits in a quarter of this host's memory, else bfp4_b",
+    )
+
+
+def engine_spec(args, **fields):
+    """The EngineSpec the parsed flags ask for (not yet resolved); `fields` are a command's own choices (qat)."""
+    import os
+
+    given = {
+        "tp": args.tp,
+        "expert_slots": args.expert_slots,
+        "expert_format": args.expert_format,
+        "device": args.device,
+        "cuda_graph": not args.enforce_eager,
+        "cache_dir": args.cache_dir,
+        "rebuild_store": args.rebuild,
+    }
+    if hasattr(args, "prefill_chunk"):
+        given["prefill_chunk"] = args.prefill_chunk
+    if getattr(args, "record_routing", None):
+        given["record_routing"] = os.path.abspath(args.record_routing)
+    return EngineSpec(**given, **fields)
