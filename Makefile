@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint bench clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -27,3 +27,14 @@ test: install lint
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
+
+# The GPU check (README "GPU check"): `make gpu-wheels` on a networked machine puts the wheels it needs into .whl/,
+# then `make gpu-check` on the GPU machine, offline, runs every GPU test and the decode benchmark on its own CUDA
+# torch and Triton. Neither depends on `install` (its CPU torch must not land there) nor touches .venv.
+GPU_PYTHON ?= python3
+
+gpu-wheels:
+	@PYTHON='$(PYTHON)' bash scripts/gpu_check.sh wheels
+
+gpu-check:
+	@GPU_PYTHON='$(GPU_PYTHON)' bash scripts/gpu_check.sh check
