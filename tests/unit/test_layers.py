@@ -91,15 +91,21 @@ def _top_level_imports(path: Path):
 RUNTIME = [p for p in sorted((SRC / "runtime").rglob("*.py"))]
 
 
+def _wing_violations(wing: str, path: Path) -> list[str]:
+    """The imports of `path`, a module of runtime/<wing>, that reach a wing it may not import."""
+    bad = []
+    for name in _imports(path):
+        parts = name.split(".")
+        if parts[:2] == ["dsflash", "runtime"] and len(parts) > 2 and parts[2] not in WINGS[wing] | {wing}:
+            bad.append(f"runtime/{wing} may not import runtime/{parts[2]} ({path.name})")
+    return bad
+
+
 @pytest.mark.parametrize("path", RUNTIME, ids=lambda v: str(v).split("src/dsflash/")[-1])
 def test_runtime_wings_import_only_their_allowed_wings(path):
     wing = _wing(path)
     assert wing in WINGS, f"{path}: runtime/{wing} is not a known wing (tests/unit/test_layers.py WINGS)"
-    for name in _imports(path):
-        parts = name.split(".")
-        if parts[:2] != ["dsflash", "runtime"] or len(parts) < 3:
-            continue
-        assert parts[2] == wing or parts[2] in WINGS[wing], f"runtime/{wing} may not import runtime/{parts[2]}"
+    assert not _wing_violations(wing, path)
 
 
 @pytest.mark.parametrize("path", [p for p in sorted(SRC.rglob("*.py")) if _wing(p) != "cuda"],
@@ -109,11 +115,12 @@ def test_no_cuda_module_is_imported_at_import_time_outside_the_cuda_wing(path):
         assert not name.startswith(GPU_ONLY), f"{path.name} imports {name} at import time (import it where used)"
 
 
-def test_the_wing_rules_catch_a_kernel_import_in_the_scheduler(tmp_path):
+def test_the_rules_catch_a_kernel_in_the_scheduler_and_cuda_at_import_time(tmp_path):
     bad = tmp_path / "engine.py"
-    bad.write_text("from dsflash.runtime.cpu import native\n")
-    names = list(_imports(bad))
-    assert any(n.split(".")[2] not in WINGS["scheduler"] | {"scheduler"} for n in names)
+    bad.write_text("import torch\nfrom dsflash.runtime.cpu import native\nfrom dsflash.runtime.cuda.graph import G\n")
+    assert len(_wing_violations("scheduler", bad)) == 2
+    assert _wing_violations("tp", bad) == []  # the TP wing assembles ranks from the others
+    assert [n for n in _top_level_imports(bad) if n.startswith(GPU_ONLY)] == ["dsflash.runtime.cuda.graph"]
 
 
 def test_every_package_is_known():

@@ -162,13 +162,15 @@ class EngineBackend:
         return f"{what}: {len(m.layers)} MoE layers, {m.total_bytes() / 1e6:,.1f} MB {s.expert_format}, TP {s.tp}"
 
     def load_dense(self, files: ModelFiles, max_len: int) -> str:
-        from dsflash.runtime.tp.workers import TPRunner
+        from dsflash.runtime.tp.launch import start_dense
 
-        self._runner = TPRunner(str(files.path), max_len, self.spec, files.token_map)
+        self._runner = start_dense(files.ckpt, files.token_map, max_len, self.spec)
         return f"{self.spec.tp} rank(s) hold their dense shard ({self.spec.dense_format})"
 
     def allocate(self, max_len: int) -> str:
-        self._runner.allocate()
+        from dsflash.runtime.tp.launch import allocate
+
+        allocate(self._runner)
         slots = self._runner.rank0.experts.pool.n_slots  # the request, clipped to the model and to memory
         return f"{slots:,} expert slots per rank over the open store; decode state for {max_len:,} tokens"
 

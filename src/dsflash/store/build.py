@@ -279,7 +279,7 @@ def _kept_layers(directory: Path, m: StoreManifest, cfg, specs) -> dict[int, Lay
 
 
 def build_store(
-    ckpt, root: str | Path | None = None, tp: int = 1, fmt: str = "bfp4_b", progress: bool = True, *,
+    ckpt, root: str | Path | None, tp: int, fmt: str, progress: bool = True, *,
     rebuild: bool = False,
 ) -> StoreManifest:  # fmt: skip
     """Build (or finish) the store of `ckpt` for this TP degree and tile format in `store_dir` (the model's first

@@ -227,7 +227,7 @@ def _ids(ids: list[int]) -> str:
 # ---------------------------------------------------------------------------------------------- open
 
 
-def open_store(ckpt, root: str | Path | None = None, tp: int | None = 1, fmt: str | None = "bfp4_b") -> Store:
+def open_store(ckpt, root: str | Path | None, tp: int | None, fmt: str | None) -> Store:
     """The store of `ckpt` at this TP degree and tile format (None: that of a store the model has, the first one
     first), checked against the model, for reading. A missing, unfinished or mismatched store is refused:
     StoreMissing / StoreMismatch saying what differs (store.build.build_store makes or replaces one); a truncated

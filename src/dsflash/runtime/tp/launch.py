@@ -23,15 +23,24 @@ def prepare_store(ckpt: Checkpoint, spec: EngineSpec, progress: bool = False):
     )
 
 
-def start_ranks(ckpt: Checkpoint, token_map, max_len: int, spec: EngineSpec) -> TPRunner:
-    """Every rank with its dense shard, slots and state, over a store that exists (prepare_store)."""
-    runner = TPRunner(str(ckpt.path), max_len, spec, token_map)
+def start_dense(ckpt: Checkpoint, token_map, max_len: int, spec: EngineSpec) -> TPRunner:
+    """Every rank started, rank 0 with its dense shard loaded (the others load theirs meanwhile)."""
+    return TPRunner(str(ckpt.path), max_len, spec, token_map)
+
+
+def allocate(runner: TPRunner) -> TPRunner:
+    """Every rank's decode state, slot pool and graphs over the store; closes the ranks where that fails."""
     try:
         runner.allocate()
     except BaseException:
         runner.close()
         raise
     return runner
+
+
+def start_ranks(ckpt: Checkpoint, token_map, max_len: int, spec: EngineSpec) -> TPRunner:
+    """Every rank with its dense shard, slots and state, over a store that exists (prepare_store)."""
+    return allocate(start_dense(ckpt, token_map, max_len, spec))
 
 
 def start_engine(ckpt: Checkpoint, token_map, max_len: int, spec: EngineSpec, progress: bool = False) -> TPRunner:

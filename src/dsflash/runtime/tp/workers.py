@@ -157,7 +157,7 @@ class TPRunner:
         self.max_len, self.vocab_size = max_len, cfg.vocab_size
         self.procs: list[mp.process.BaseProcess] = []
         self._pipes: list = []
-        self.allocated = False
+        self.closed = False
         job = (model_dir, max_len, spec)
         launched = launched_rank()
         if launched is not None:
@@ -193,7 +193,6 @@ class TPRunner:
         """Every rank's decode state, slot pool and graphs; returns once every rank is ready to run."""
         if launched_rank() is not None:
             self._torchrun_step(self.rank0.allocate)
-            self.allocated = True
             return
         try:
             self.rank0.allocate()
@@ -207,7 +206,6 @@ class TPRunner:
             if failed is not None and not isinstance(e, EngineDead):
                 raise EngineDead(f"tensor-parallel {failed}") from e
             raise
-        self.allocated = True
 
     def _reported_failure(self) -> str | None:
         for pipe in self._pipes:
@@ -286,6 +284,9 @@ class TPRunner:
                 raise EngineDead(f"rank {i} exited (code {p.exitcode})")
 
     def close(self) -> None:
+        if self.closed:  # once: a failed step closes the ranks, and its caller's cleanup may close them again
+            return
+        self.closed = True
         with contextlib.suppress(EngineDead):  # a dead peer needs no stop message
             self._step(STOP)
         for p in self.procs:
