@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from dsflash.errors import ContextTooLong, EngineDead, NotReady, Overloaded
 from dsflash.runtime.scheduler.engine import Engine
 from dsflash.server import render
 from dsflash.service.api import ChatRequest, CompletionRequest, GenerationOptions
@@ -271,3 +272,49 @@ def test_a_request_cancelled_while_queued_leaves_the_queue_at_once(tok):
         assert list(running)[-1].finish_reason == "cancelled"
     finally:
         engine.close()
+
+
+def test_the_context_is_checked_once_here_with_the_templated_prompt(tok, make):
+    gen, _ = make([5], max_len=64)
+    n = len(gen.text_prompt("Hello"))
+    with pytest.raises(ContextTooLong) as e:
+        gen.open_completion(CompletionRequest("Hello", GenerationOptions(max_tokens=65 - n)))
+    assert e.value.param == "max_tokens"
+    assert str(e.value) == f"this model's context is 64 tokens; the prompt has {n} and max_tokens is {65 - n} " + (
+        f"(at most {64 - n} fit)"
+    )
+    with pytest.raises(ContextTooLong) as e:  # far beyond the context: the same check, the same answer
+        gen.open_chat(ChatRequest(Q, GenerationOptions(max_tokens=1 << 40)))
+    assert e.value.param == "max_tokens"
+    with pytest.raises(ContextTooLong) as e:
+        gen.open_completion(CompletionRequest(tuple([5] * 64)))
+    assert e.value.param == "prompt" and str(e.value) == "the prompt is 64 tokens; this model's context is 64 tokens"
+    assert list(gen.stream(CompletionRequest("Hello", GenerationOptions(max_tokens=64 - n))))[-1].finish_reason
+
+
+def test_admission_and_gauges(tok):
+    runner = ScriptedRunner([5] * 500, tok.vocab_size, eos=tok.eos_id, step_s=0.01)
+    engine = Engine(runner, tok.eos_ids, max_queue=1)
+    gen = Generator(engine, tok, 4096)
+    with pytest.raises(NotReady):
+        gen.check_admission()
+    engine.start()
+    try:
+        assert gen.gauges() == {"queue_depth": 0, "requests_running": 0}
+        long = GenerationOptions(temperature=0, max_tokens=400, ignore_eos=True)
+        running = gen.open_completion(CompletionRequest("x", long))
+        running.handle.started.wait(5)
+        assert running.started
+        gen.check_admission()  # room for one waiting
+        waiting = gen.open_completion(CompletionRequest("y", long))
+        assert gen.gauges() == {"queue_depth": 1, "requests_running": 1} and not waiting.started
+        with pytest.raises(Overloaded) as e:
+            gen.check_admission()
+        assert e.value.retry_after == 1 and str(e.value) == "the request queue is full (1 waiting)"
+        waiting.cancel()
+        running.cancel()
+        list(running)
+    finally:
+        engine.close()
+    with pytest.raises(EngineDead):
+        gen.check_admission()

@@ -37,6 +37,7 @@ def test_boot_port_walk_detach_stop(tmp_path):
         loading = httpx.get(a.base + "/health")
         assert loading.status_code == 503 and loading.json()["error"]["code"] == "not_ready"
         assert httpx.get(a.base + "/v1/models").status_code == 503
+        assert httpx.get(a.base + "/openapi.json").status_code == 503  # it states the context and the vocabulary
         assert httpx.get(a.base + "/metrics").status_code == 200
         first_boot = a.wait_ready()
         assert first_boot < 60, f"first boot took {first_boot:.0f}s"

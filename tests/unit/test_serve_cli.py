@@ -1,5 +1,6 @@
 """`dsflash serve`'s flags: checked before anything starts, and carried whole into a detached server."""
 
+import os
 import subprocess
 import sys
 
@@ -35,3 +36,13 @@ def test_a_prefill_chunk_below_one_is_refused_in_one_line():
     )
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == ["dsflash serve: error: --prefill-chunk must be >= 1"]
+
+
+def test_ps_stop_and_logs_read_the_registry_without_torch(tmp_path):
+    code = (
+        "import sys; import dsflash.cli.main as m; m.build_parser(); "
+        "import dsflash.cli.ps, dsflash.cli.stop, dsflash.cli.logs, dsflash.server.registry as r; r.servers(); "
+        "sys.exit('torch' in sys.modules)"
+    )
+    env = {**os.environ, "DSFLASH_STATE": str(tmp_path)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from dsflash.cli._serving import new_log_path, servers
+from dsflash.server.registry import new_log_path, servers
 
 
 def child_argv(args) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from dsflash.cli._serving import HelpFormatter
+    from dsflash.cli._terminal import HelpFormatter
 
     p = sub.add_parser(
         "logs",
@@ -23,8 +23,9 @@ def run(args) -> int:
     import time
     from pathlib import Path
 
-    from dsflash.cli._serving import log_dir, pid_alive, servers
     from dsflash.errors import DsflashError
+    from dsflash.paths import logs_dir
+    from dsflash.server.registry import pid_alive, servers
 
     running = [r for r in servers() if r.matches(args.model)]
     if len(running) > 1 and args.model is None:
@@ -33,9 +34,9 @@ def run(args) -> int:
     if running:
         path, pid = Path(running[-1].log), running[-1].pid
     else:
-        path, pid = _newest_log(log_dir(), args.model), None
+        path, pid = _newest_log(logs_dir(), args.model), None
         if path is None:
-            raise DsflashError(f"no log{' for ' + args.model if args.model else ''} in {log_dir()}")
+            raise DsflashError(f"no log{' for ' + args.model if args.model else ''} in {logs_dir()}")
     pos = 0
     try:
         while True:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from dsflash.cli._serving import HelpFormatter
+    from dsflash.cli._terminal import HelpFormatter
 
     p = sub.add_parser(
         "profiles",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from dsflash.cli._serving import HelpFormatter
+    from dsflash.cli._terminal import HelpFormatter
 
     p = sub.add_parser(
         "ps",
@@ -22,7 +22,7 @@ def run(args) -> int:
     import time
     from dataclasses import asdict
 
-    from dsflash.cli._serving import servers
+    from dsflash.server.registry import servers
 
     running = servers()
     if args.names:

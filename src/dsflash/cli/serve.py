@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import threading
 import time
 
 from dsflash.cli._engine import add_engine_arguments
@@ -16,7 +14,7 @@ API_KEY_ENV = "DSFLASH_API_KEY"
 
 
 def add_parser(sub) -> None:
-    from dsflash.cli._serving import HelpFormatter
+    from dsflash.cli._terminal import HelpFormatter
 
     p = sub.add_parser(
         "serve",
@@ -104,105 +102,60 @@ def _chat_defaults(text: str | None):
 
 
 class _Serve:
-    """One server process: bind, boot on a thread while the HTTP side answers 503, serve, clean up."""
+    """The terminal side of one server process (server.serving.Serving is the process): the console, its log file,
+    the boot's rows, the ready card."""
 
     def __init__(self, args, choice, chat_defaults, opts):
-        from dsflash.service.boot import make_backend
+        from dsflash.server.serving import Serving
 
-        self.args, self.choice, self.chat_defaults = args, choice, chat_defaults
-        self.exit_code = 0
+        self.args, self.choice = args, choice
         self.t0 = time.perf_counter()
-        self.opts = opts
-        self.backend = make_backend(self.opts)  # a flag the backend cannot honour fails before anything starts
+        self.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        # a flag the backend cannot honour fails before anything starts; then the port is bound
+        self.serving = Serving(choice, opts, args.host, args.port, self.api_key, args.shutdown_grace, chat_defaults)
 
     def run(self) -> int:
-        from dsflash.cli._serving import Console, ServerRecord, new_log_path, row
-        from dsflash.server import http
-        from dsflash.server.app import App
-        from dsflash.server.protocol import ServedModel
+        from dsflash.cli._terminal import Console, row
+        from dsflash.server.registry import new_log_path
 
-        args, choice = self.args, self.choice
-        sock = http.bind(args.host, args.port)
-        port = sock.getsockname()[1]
+        args, choice, port = self.args, self.choice, self.serving.port
         log_path = args._log or new_log_path(choice.slug, port)
         # a detached child's stdout is its log file already
         self.console = Console(to_stdout=True, log_path=None if args._child else log_path)
         _setup_logging(self.console)
-        max_len = args.max_model_len or choice.profile.context
+        context = self.serving.max_len
         self.console.line(
-            f"dsflash serve · {choice.model_id} · profile {choice.profile.name} · {max_len:,}-token context"
+            f"dsflash serve · {choice.model_id} · profile {choice.profile.name} · {context:,}-token context"
         )
         if port != args.port:
             self.console.line(row("done", "port", f"{args.port} is busy; using {port}"))
-        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-        served = ServedModel(choice.model_id, choice.aliases, max_len, vocab_size=1, chat_defaults=self.chat_defaults)
-        self.app = App(served, root=choice.source, api_key=api_key, shutdown_grace=args.shutdown_grace)
-        self.record = ServerRecord(
-            os.getpid(), args.host, port, choice.model_id, choice.profile.name, max_len, choice.source,
-            list(choice.aliases), str(log_path), time.time(),
-        )  # fmt: skip
-        self.record.save()
-        self.server = http.make_server(self.app, self._on_signal, args.shutdown_grace)
-        boot = threading.Thread(target=self._boot, name="dsflash-boot", daemon=True)
-        boot.start()
         try:
-            self.server.run(sockets=[sock])
+            code = self.serving.run(str(log_path), self._report, self._ready, self._failed)
+            if code == 0:
+                self.console.line(f"dsflash serve: stopped {choice.model_id} on port {port}")
+            return code
         finally:
-            self._cleanup()
-        return self.exit_code
-
-    def _on_signal(self) -> None:
-        if self.app.state != "draining":
-            self.record.status = "stopping"
-            self.record.save()
-        self.app.drain()
-
-    def _boot(self) -> None:
-        from dsflash.cli._serving import row
-        from dsflash.server import http
-        from dsflash.service.boot import boot
-        from dsflash.service.generator import Generator
-
-        try:
-            booted = boot(self.choice, self.opts, self._report, self.backend)
-        except Exception as e:
-            self.console.line(f"dsflash serve: error: {e}", sys.stderr)
-            with contextlib.suppress(Exception):
-                self.backend.close()
-            self.exit_code = 1
-            self.app.fail()
-            http.stop(self.server)
-            return
-        self.booted = booted
-        tok = booted.tokenizer
-        release = booted.files.ckpt.config.model_type
-        from dataclasses import replace
-
-        self.app.served = replace(self.app.served, vocab_size=tok.vocab_size, max_len=booted.max_len)
-        self.app.attach(Generator(booted.engine, tok, booted.max_len, release), booted.engine)
-        if self.app.state != "ready":  # a signal came during boot
-            return
-        t = time.perf_counter()
-        health = self.record.health(timeout=10)
-        self.console.line(
-            row("done" if health == "ready" else "fail", "API", f"GET /health: {health}", time.perf_counter() - t)
-        )
-        self.record.status = "ready"
-        self.record.save()
-        self._card(booted)
+            self.console.close()
 
     def _report(self, r) -> None:
-        from dsflash.cli._serving import row
+        from dsflash.cli._terminal import row
 
         if r.state == "run":
             self.console.transient(row("run", r.label, "…"))
         else:
             self.console.line(row(r.state, r.label, r.detail, r.seconds))
 
-    def _card(self, booted) -> None:
+    def _failed(self, e: BaseException) -> None:
+        self.console.line(f"dsflash serve: error: {e}", sys.stderr)
+
+    def _ready(self, booted, health: str, seconds: float) -> None:
         import json
 
-        base = self.record.base_url
+        from dsflash.cli._terminal import row
+
+        self.console.line(row("done" if health == "ready" else "fail", "API", f"GET /health: {health}", seconds))
+        record = self.serving.record
+        base = record.base_url
         model = self.choice.model_id
         ready = time.perf_counter() - self.t0
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
@@ -213,23 +166,14 @@ class _Serve:
             f"context {booted.max_len:,} tokens · backend {booted.backend.name}",
             f"  endpoint  {base}/v1",
             f"  try       curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-            f"  logs      dsflash logs {model} --follow   ({self.record.log})",
+            f"  logs      dsflash logs {model} --follow   ({record.log})",
             f"  stop      {stop}",
             "",
         ]
-        if self.app.api_key is not None:
+        if self.api_key is not None:
             lines[3] = lines[3].replace("curl ", 'curl -H "Authorization: Bearer $DSFLASH_API_KEY" ')
         for line in lines:
             self.console.line(line)
-
-    def _cleanup(self) -> None:
-        booted = getattr(self, "booted", None)
-        if booted is not None:
-            booted.close()
-        self.record.remove()
-        if self.exit_code == 0:
-            self.console.line(f"dsflash serve: stopped {self.choice.model_id} on port {self.record.port}")
-        self.console.close()
 
 
 def _setup_logging(console) -> None:

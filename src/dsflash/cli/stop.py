@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def add_parser(sub) -> None:
-    from dsflash.cli._serving import HelpFormatter
+    from dsflash.cli._terminal import HelpFormatter
 
     p = sub.add_parser(
         "stop",
@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from dsflash.cli._serving import servers
     from dsflash.errors import DsflashError
+    from dsflash.server.registry import servers
 
     running = servers()
     chosen = [r for r in running if args.all or r.matches(args.model)]

@@ -18,6 +18,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from dsflash.errors import InvalidRequest, NotReady, Overloaded
 from dsflash.server import routes, sse
@@ -25,7 +26,11 @@ from dsflash.server.errors import HttpError, classify, error_frame
 from dsflash.server.metrics import Metrics
 from dsflash.server.protocol import ServedModel
 from dsflash.server.routes import ROUTES, Generation, Reply
-from dsflash.service.api import Delta
+from dsflash.service.api import GAUGES, Delta
+from dsflash.text.chat import ChatOptions
+
+if TYPE_CHECKING:
+    from dsflash.service.generator import Generator
 
 log = logging.getLogger("dsflash.server")
 request_log = logging.getLogger("dsflash.requests")
@@ -36,30 +41,37 @@ _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class App:
-    """ASGI callable; `attach(generator)` once the model is loaded, `drain()` on SIGTERM."""
+    """ASGI callable for one model, loading from the start; `attach(generator)` once it is booted, `drain()` on
+    SIGTERM."""
 
     def __init__(
         self,
-        served: ServedModel,
-        root: str,
+        model_id: str,
+        aliases: tuple[str, ...] = (),
+        root: str | None = None,
+        chat_defaults: ChatOptions | None = None,
         api_key: str | None = None,
         max_body: int = MAX_BODY,
         shutdown_grace: float = 5.0,
-        gauges=None,
     ):
-        self.served, self.root, self.max_body, self.grace = served, root, max_body, shutdown_grace
+        self.model_id, self.aliases, self.chat_defaults = model_id, tuple(aliases), chat_defaults or ChatOptions()
+        self.root, self.max_body, self.grace = root or model_id, max_body, shutdown_grace
         self.api_key = api_key.encode() if api_key else None
         self.state = "loading"  # loading | ready | draining | failed
-        self.generator = None
-        self.engine = None
+        self.served: ServedModel | None = None  # what requests are checked against, from the attached service
+        self.generator: Generator | None = None
         self.created = int(time.time())
-        self.metrics = Metrics(served.model_id, gauges or self._gauges)
+        self.metrics = Metrics(model_id, self._gauges)
         self.jobs: set[_Job] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
-    def attach(self, generator, engine) -> None:
-        self.generator, self.engine = generator, engine
+    def attach(self, generator: Generator) -> None:
+        """The booted service: the model's facts (context, vocabulary) come from it, once."""
+        self.served = ServedModel(
+            self.model_id, self.aliases, generator.max_len, generator.vocab_size, chat_defaults=self.chat_defaults
+        )
+        self.generator = generator
         if self.state == "loading":
             self.state = "ready"
 
@@ -89,13 +101,9 @@ class App:
             job.cancel("shutdown")
 
     def _gauges(self) -> dict[str, float]:
-        q = getattr(self.engine, "queue", None)
-        running = getattr(self.engine, "current", None) is not None
-        return {
-            "queue_depth": q.depth if q is not None else 0,
-            "requests_running": 1 if running else 0,
-            "ready": 1 if self.state == "ready" else 0,
-        }
+        gen = self.generator
+        gauges = gen.gauges() if gen is not None else dict.fromkeys(GAUGES, 0)
+        return {**gauges, "ready": 1 if self.state == "ready" else 0}
 
     # ---- ASGI ---------------------------------------------------------------------------------------------------
     async def __call__(self, scope, receive, send) -> None:
@@ -254,7 +262,7 @@ class _Job:
 
     @property
     def running(self) -> bool:
-        return self.stream is not None and self.stream.handle.started.is_set()
+        return self.stream is not None and self.stream.started
 
     @property
     def disconnected(self) -> bool:

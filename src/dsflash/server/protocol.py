@@ -1,6 +1,7 @@
 """Request bodies -> frozen, validated requests (the only place that reads raw dicts and applies defaults).
 
-Policy: wrong types and out-of-range values are a 400 naming the parameter; parameters we know but cannot honour
+Policy: wrong types and out-of-range values are a 400 naming the parameter (prompt + max_tokens against the context
+is the service's check, after templating); parameters we know but cannot honour
 (n > 1, penalties, logit_bias, structured output, forced tool choice) are a 400 rather than silently ignored;
 fields we do not know are ignored and reported back to the caller for the request log line.
 """
@@ -11,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dsflash.errors import ContextTooLong, InvalidRequest, ModelSourceError
+from dsflash.errors import InvalidRequest, ModelSourceError
 from dsflash.service.api import MAX_LOGPROBS, ChatRequest, CompletionRequest, GenerationOptions
 from dsflash.text.chat import ChatOptions, chat_options
 
@@ -193,10 +194,6 @@ def _options(body: Mapping, served: ServedModel, max_tokens: int | None, logprob
     _no_logit_bias(body)
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidRequest("user must be a string", param="user")
-    if max_tokens is not None and max_tokens > served.max_len:
-        raise ContextTooLong(
-            f"max_tokens is {max_tokens} but this model's context is {served.max_len} tokens", param="max_tokens"
-        )
     top_k = _int(body, "top_k", -1, 1 << 31, 0)
     stop_ids = body.get("stop_token_ids")
     return GenerationOptions(

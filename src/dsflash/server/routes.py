@@ -137,6 +137,7 @@ def metrics(app, body) -> Reply:
 
 
 def schema(app, body) -> Reply:
+    _served(app)  # the document states the model's context and vocabulary: 503 until they are known
     return json_reply(openapi(app.served, auth=app.api_key is not None))
 
 

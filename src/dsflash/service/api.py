@@ -11,6 +11,7 @@ from dsflash.text.chat import ChatOptions
 from dsflash.text.tools import ToolCall
 
 MAX_LOGPROBS = 20
+GAUGES = ("queue_depth", "requests_running")  # what Generator.gauges() reports (zero while nothing is attached)
 
 
 @dataclass(frozen=True)

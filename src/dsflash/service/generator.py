@@ -1,6 +1,8 @@
-"""Generator: a chat or completion request -> prompt ids -> engine -> text stream tools -> Deltas.
+"""Generator: a chat or completion request -> prompt ids -> engine -> text stream tools -> Deltas; the service a
+server talks to (admission, gauges and the model's facts included), never to the engine itself.
 
 Runs on the caller's thread (an HTTP worker), never on the engine thread: the engine sees token ids only.
+The one check of prompt + max_tokens against the context is here, where the prompt's length is known.
 Text order per token: detokenizer -> `</think>` split (chat, when the prompt opened `<think>`) -> DSML tool calls
 (chat with tools) -> stop strings (content only; a match cancels the engine's handle).
 """
@@ -10,8 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from dsflash.errors import ContextTooLong, InvalidRequest, Overloaded
+from dsflash.errors import ContextTooLong, InvalidRequest
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import SamplingParams
 from dsflash.service.api import (
@@ -31,15 +34,38 @@ from dsflash.text.stops import StopMatcher
 from dsflash.text.tokenizer import BOS, Tokenizer
 from dsflash.text.tools import ToolCall, ToolCallParser
 
-# runner counters (cumulative) that feed the per-request expert numbers, when a backend reports them
+if TYPE_CHECKING:
+    from dsflash.runtime.scheduler.engine import Engine
+    from dsflash.service.boot import Booted
 
 
 class Generator:
-    """Requests in, Iterator[Delta] out; `engine` is anything with submit(GenerationRequest) -> Handle."""
+    """Requests in, Iterator[Delta] out, over a started runtime.scheduler.engine.Engine."""
 
-    def __init__(self, engine, tokenizer: Tokenizer, max_len: int, release: str = "v41", clock=time.perf_counter):
+    def __init__(
+        self, engine: Engine, tokenizer: Tokenizer, max_len: int, release: str = "v41", clock=time.perf_counter
+    ):
         self.engine, self.tokenizer, self.max_len, self.release = engine, tokenizer, max_len, release
         self.clock = clock
+
+    @classmethod
+    def serving(cls, booted: Booted) -> Generator:
+        """The service over what boot produced."""
+        return cls(booted.engine, booted.tokenizer, booted.max_len, booted.files.ckpt.config.model_type)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    # ---- admission and gauges -----------------------------------------------------------------------------------
+    def check_admission(self) -> None:
+        """Before any text work: NotReady (the engine is not started), EngineDead, or Overloaded (the queue is
+        full; the server's 429 with Retry-After)."""
+        self.engine.admit()
+
+    def gauges(self) -> dict[str, int]:
+        """What /metrics shows of the engine now; the keys are api.GAUGES."""
+        return {"queue_depth": self.engine.queue.depth, "requests_running": int(self.engine.current is not None)}
 
     # ---- prompts ------------------------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatRequest) -> list[int]:
@@ -61,12 +87,6 @@ class Generator:
         if bad:
             raise InvalidRequest(f"token ids must be in 0..{self.tokenizer.vocab_size - 1}; got {bad[0]}", "tokens")
         return self.tokenizer.decode(ids)
-
-    def check_admission(self) -> None:
-        """Overloaded before any text work when the queue is already full (cheap early 429)."""
-        q = getattr(self.engine, "queue", None)
-        if q is not None and q.depth >= q.max_size:
-            raise Overloaded(f"the request queue is full ({q.max_size} waiting)", retry_after=1)
 
     # ---- generation ---------------------------------------------------------------------------------------------
     def open_chat(self, req: ChatRequest) -> Stream:
@@ -128,6 +148,11 @@ class Stream:
     @property
     def request_id(self) -> str:
         return self.stats.request_id
+
+    @property
+    def started(self) -> bool:
+        """The engine has taken it (it no longer waits in the queue)."""
+        return self.handle.started.is_set()
 
     def cancel(self) -> None:
         self.handle.cancel()

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from dsflash.errors import ContextTooLong, EngineDead, InvalidRequest, NotReady
+from dsflash.errors import EngineDead, InvalidRequest, NotReady
 from dsflash.runtime.counters import ExpertCounters
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, RequestQueue, StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import Sampler, top_logprobs
@@ -64,14 +64,23 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def submit(self, request: GenerationRequest) -> Handle:
+        self._check_running()
+        self.validate(request)
+        return self.queue.submit(request)
+
+    def admit(self) -> None:
+        """Raise what submit() would for any request now (NotReady, EngineDead, Overloaded) without queueing one, so
+        that a caller learns it before its own costly work (templating a prompt)."""
+        self._check_running()
+        self.queue.check_room()
+
+    def _check_running(self) -> None:
         if self._thread is None:
             raise NotReady("the engine is still loading")
         if self.queue.dead is not None:
             raise EngineDead(f"the engine stopped: {self.queue.dead}")
         if not self.alive:
             raise EngineDead("the engine thread is not running")
-        self.validate(request)
-        return self.queue.submit(request)
 
     def validate(self, request: GenerationRequest) -> None:
         n = len(request.prompt)
@@ -79,11 +88,11 @@ class Engine:
             raise InvalidRequest("the prompt is empty", param="prompt")
         if any(not 0 <= t < self.runner.vocab_size for t in request.prompt):
             raise InvalidRequest(f"prompt token ids must be in 0..{self.runner.vocab_size - 1}", param="prompt")
+        # the caller (service.generator) checks prompt + max_tokens against the context and tells the client; this
+        # only keeps a caller that did not from running the sequence past the runner's state
         if n + request.params.max_tokens > self.runner.max_len:
-            raise ContextTooLong(
-                f"this model's context is {self.runner.max_len} tokens; the prompt has {n} and "
-                f"max_tokens is {request.params.max_tokens}",
-                param="max_tokens",
+            raise ValueError(
+                f"{n} prompt + {request.params.max_tokens} new tokens exceed the runner's {self.runner.max_len}"
             )
 
     # ---- the engine thread ----------------------------------------------------------------

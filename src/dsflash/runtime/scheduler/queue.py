@@ -98,12 +98,16 @@ class RequestQueue:
         with self._lock:  # fail_all holds it too: a request either sees the engine dead or is drained by it
             if self.dead is not None:
                 raise EngineDead(f"the engine stopped: {self.dead}")
-            if self._waiting >= self.max_size:
-                raise Overloaded(f"the request queue is full ({self.max_size} waiting)", retry_after=1)
+            self.check_room()
             self._waiting += 1
             handle = Handle(request, owner=self)
             self._q.put(handle)
         return handle
+
+    def check_room(self) -> None:
+        """Overloaded (with a retry hint) when max_size requests already wait."""
+        if self._waiting >= self.max_size:
+            raise Overloaded(f"the request queue is full ({self.max_size} waiting)", retry_after=1)
 
     def take(self, timeout: float | None = None) -> Handle | None:
         while True:

@@ -1,39 +1,21 @@
-"""Shared by serve / stop / ps / logs: the state directory of running servers, their logs, and the terminal rows.
+"""The registry of running servers: one record file per server, its log file, and a probe of its /health.
 
 Running servers are found through files, not by scanning processes: each server writes
-<state>/servers/<port>.json (pid, host, port, model, profile, log, status) and removes it when it exits.
-Light on purpose: `dsflash ps` must not import torch.
+<servers_dir>/<port>.json (pid, host, port, model, profile, log, status) and removes it when it exits.
+Light on purpose: `dsflash ps`, `stop` and `logs` read it and must not import torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each flag's default, except where the help already says what an unset flag means."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if action.default is None or "(default" in text:
-            return text
-        return super()._get_help_string(action)
-
-
-def state_root() -> Path:
-    """$DSFLASH_STATE, else $XDG_STATE_HOME/dsflash, else ~/.local/state/dsflash."""
-    if os.environ.get("DSFLASH_STATE"):
-        return Path(os.environ["DSFLASH_STATE"]).expanduser()
-    xdg = os.environ.get("XDG_STATE_HOME") or "~/.local/state"
-    return Path(xdg).expanduser() / "dsflash"
+from dsflash.paths import logs_dir, servers_dir
 
 
 @dataclass
@@ -52,7 +34,7 @@ class ServerRecord:
 
     @property
     def path(self) -> Path:
-        return state_root() / "servers" / f"{self.port}.json"
+        return servers_dir() / f"{self.port}.json"
 
     @property
     def base_url(self) -> str:
@@ -108,9 +90,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def servers(clean: bool = True) -> list[ServerRecord]:
-    """Every server the state directory knows, oldest first; files of dead processes are removed."""
+    """Every server the registry knows, oldest first; files of dead processes are removed."""
     out = []
-    for path in sorted((state_root() / "servers").glob("*.json")):
+    for path in sorted(servers_dir().glob("*.json")):
         try:
             rec = ServerRecord(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
@@ -123,50 +105,7 @@ def servers(clean: bool = True) -> list[ServerRecord]:
     return sorted(out, key=lambda r: r.started)
 
 
-def log_dir() -> Path:
-    return state_root() / "logs"
-
-
 def new_log_path(slug: str, port: int) -> Path:
-    log_dir().mkdir(parents=True, exist_ok=True)
-    return log_dir() / f"{slug}-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log"
-
-
-class Console:
-    """Lines for a person: to the terminal (unless detached) and to the server's log file."""
-
-    def __init__(self, to_stdout: bool = True, log_path: Path | None = None):
-        self.to_stdout = to_stdout
-        self.tty = to_stdout and sys.stdout.isatty()
-        self.file = open(log_path, "a", encoding="utf-8", buffering=1) if log_path else None  # noqa: SIM115
-        self._pending = False
-
-    def line(self, text: str, stream=None) -> None:
-        """A line for the terminal (stdout, or `stream`: errors go to stderr) and the log file."""
-        if self.to_stdout:
-            if self._pending:
-                sys.stdout.write("\r\033[K")
-                sys.stdout.flush()
-                self._pending = False
-            print(text, file=stream or sys.stdout, flush=True)
-        if self.file is not None:
-            self.file.write(text + "\n")
-
-    def transient(self, text: str) -> None:
-        """A line that the next line replaces (a phase in progress); terminal only."""
-        if self.tty:
-            sys.stdout.write("\r\033[K" + text)
-            sys.stdout.flush()
-            self._pending = True
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-
-
-MARKS = {"done": "✓", "skip": "–", "fail": "✗", "run": "⋯"}
-
-
-def row(mark: str, label: str, detail: str = "", seconds: float | None = None) -> str:
-    secs = f"  {seconds:.1f}s" if seconds is not None else ""
-    return f"  {MARKS.get(mark, mark)} {label:<17} {detail}{secs}".rstrip()
+    """A new log file's path for a server of `slug` on `port` (the logs directory is made if missing)."""
+    logs_dir().mkdir(parents=True, exist_ok=True)
+    return logs_dir() / f"{slug}-{port}-{time.strftime('%Y%m%d-%H%M%S')}.log"

@@ -1,0 +1,256 @@
+"""`vllm bench serve` against any OpenAI-compatible server: its random dataset, its timing and metric definitions,
+its console block and JSON keys; presets for the reference box's four workloads; a PNG of per-token latency next to
+the JSON. `run(BenchOptions)` is the whole benchmark; `dsflash bench` parses the flags into those options."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+
+from dsflash.bench import client, metrics, report
+from dsflash.bench.client import BenchError, get_json
+from dsflash.bench.datasets import PRESETS, TokenCounter, random_requests
+from dsflash.bench.options import ENDPOINTS, BenchOptions
+from dsflash.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Lengths, prompts, concurrency and endpoint after the preset and --scale; the preset's JSON metadata."""
+
+    input_len: int
+    output_len: int
+    num_prompts: int
+    max_concurrency: int | None
+    path: str
+    backend: str  # openai | openai-chat
+    profile: str | None  # the serving profile whose context holds the preset
+    metadata: dict
+    metrics: tuple[str, ...]  # the metrics with statistics
+    percentiles: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Target:
+    """The server under test: where, with which headers, which model and its context (when it says)."""
+
+    base: str
+    headers: dict
+    model: str
+    max_len: int | None
+
+
+def run(opts: BenchOptions) -> int:
+    """The benchmark: 0 when every request succeeded, 1 otherwise; BenchError when it cannot run."""
+    plan = make_plan(opts)
+    target = _target(opts, plan)
+    tok, tokenizer_id = _tokenizer(opts.tokenizer)
+    counter = TokenCounter(tok)
+    print(f"dsflash bench: {plan.num_prompts} prompts of {plan.input_len} tokens -> {plan.output_len} "
+          f"tokens against {target.base}{plan.path} ({target.model})", file=sys.stderr)  # fmt: skip
+    reqs = random_requests(counter, plan.num_prompts, plan.input_len, plan.output_len,
+                           opts.random_range_ratio, opts.random_prefix_len, opts.seed)  # fmt: skip
+    reqs = _align(target, reqs, counter)
+    ep = client.Endpoint(target.base, plan.path, target.model, target.headers)
+    extra = _extra_body(opts)
+
+    def job(r, rid=None):
+        body = client.payload(ep, r.prompt, r.expected_output_len, True, extra)
+        return lambda: client.send(ep, body, r.prompt_len, rid)
+
+    _warm_up(opts, lambda: job(reqs[0]))
+    arrivals = client.arrival_times(len(reqs), opts.request_rate, opts.burstiness, opts.seed)
+    t0 = time.perf_counter()
+    jobs = [job(r, i) for r, i in zip(reqs, client.request_ids(len(reqs)))]
+    outputs = client.Dispatcher(plan.max_concurrency).run(jobs, arrivals)
+    duration = time.perf_counter() - t0
+    failed = [o for o in outputs if not o.success]
+    for i, o in enumerate(failed[:10]):
+        print(f"Error {i}: {o.error.strip()}", file=sys.stderr)
+    result = metrics.calculate(outputs, duration, list(plan.percentiles), lambda s: len(counter.encode(s)))
+    print(report.console(result, plan.max_concurrency, opts.request_rate, list(plan.metrics), list(plan.percentiles)))
+    if opts.save_result is not None or opts.result_filename or opts.result_dir:
+        _save(opts, plan, target, tokenizer_id, result)
+    return 0 if not failed else 1
+
+
+def make_plan(opts: BenchOptions) -> Plan:
+    """What will be sent, from the options and the workload preset; bad options fail here, before any request."""
+    if opts.scale <= 0:
+        raise BenchError("--scale must be positive")
+    meta, profile = {}, None
+    input_len, output_len, prompts, conc = 1024, 128, 1000, opts.max_concurrency
+    if opts.workload:
+        pre = PRESETS[opts.workload]
+        input_len, output_len = pre.scaled(opts.scale)
+        prompts, conc, profile = pre.num_prompts, conc or 1, pre.profile
+        meta = {"workload": opts.workload, "profile": pre.profile, "scale": opts.scale}
+    elif opts.scale != 1.0:
+        meta = {"scale": opts.scale}
+    if opts.random_input_len is not None:
+        input_len = max(1, round(opts.random_input_len * opts.scale))
+    if opts.random_output_len is not None:
+        output_len = max(1, round(opts.random_output_len * opts.scale))
+    if opts.num_prompts is not None:
+        prompts = opts.num_prompts
+    if prompts < 1:
+        raise BenchError("--num-prompts must be at least 1")
+    if conc is not None and conc <= 0:
+        raise BenchError("--max-concurrency must be greater than 0")
+    path = ENDPOINTS.get(opts.endpoint, opts.endpoint)
+    if not path.startswith("/"):
+        raise BenchError(f"--endpoint: expected completions, chat or a path, got {opts.endpoint!r}")
+    if opts.backend == "openai-chat" and opts.endpoint == "completions":
+        path = ENDPOINTS["chat"]
+    backend = "openai-chat" if path.rstrip("/").endswith("chat/completions") else "openai"
+    chosen = tuple(m.strip() for m in opts.percentile_metrics.split(",") if m.strip())
+    if unknown := [m for m in chosen if m not in metrics.METRICS]:
+        raise BenchError(f"--percentile-metrics: unknown {unknown} (known: {', '.join(metrics.METRICS)})")
+    percentiles = tuple(float(p) for p in opts.metric_percentiles.split(","))
+    return Plan(input_len, output_len, prompts, conc, path, backend, profile, meta, chosen, percentiles)
+
+
+def _target(opts: BenchOptions, plan: Plan) -> Target:
+    """The server, its model and its context; a plan that the context cannot hold fails here."""
+    base = (opts.base_url or f"http://{opts.host}:{opts.port}").rstrip("/")
+    headers = client.api_headers()
+    if opts.model is None:
+        model, _, max_len = client.first_model(base, headers)
+    else:
+        model, max_len = opts.model, _served_len(base, headers, opts.model)
+    need = plan.input_len + plan.output_len
+    if max_len and need > max_len:
+        hint = f"; serve the {plan.profile} profile" if plan.profile else ""
+        raise BenchError(f"prompt {plan.input_len} + output {plan.output_len} tokens exceed the server's "
+                         f"{max_len}-token context{hint} (or pass --scale)")  # fmt: skip
+    return Target(base, headers, model, max_len)
+
+
+def _tokenizer(directory: str | None):
+    if directory is None:
+        return Tokenizer.bundled("v41"), "deepseek-v4.1 (bundled)"
+    if not (Path(directory) / "tokenizer.json").is_file():
+        raise BenchError(f"--tokenizer {directory}: no tokenizer.json there")
+    return Tokenizer.from_dir(directory), directory
+
+
+def _served_len(base: str, headers: dict, model: str) -> int | None:
+    try:
+        for card in get_json(base, "/v1/models", headers).get("data") or []:
+            if card.get("id") == model:
+                return card.get("max_model_len")
+    except BenchError:
+        pass
+    return None
+
+
+def _align(target: Target, reqs: list, counter: TokenCounter) -> list:
+    """vLLM's re-alignment: when the server's /tokenize counts the first prompt differently, cut every prompt to
+    its target length by the server's tokenizer (/tokenize + /detokenize). A server without /tokenize is fine."""
+    base, headers, model = target.base, target.headers, target.model
+
+    def tokens(prompt):
+        return get_json(base, "/tokenize", headers, {"model": model, "prompt": prompt, "add_special_tokens": False})[
+            "tokens"
+        ]
+
+    try:
+        first = tokens(reqs[0].prompt)
+    except (BenchError, KeyError):
+        print("WARNING: /tokenize unavailable, skipping alignment.", file=sys.stderr)
+        return reqs
+    if len(first) == reqs[0].prompt_len:
+        return reqs
+    print(f"WARNING: tokenizer mismatch (server={len(first)}, expected={reqs[0].prompt_len}), re-aligning prompts.",
+          file=sys.stderr)  # fmt: skip
+    out = []
+    for r in reqs:
+        try:
+            ids = tokens(r.prompt)
+            if len(ids) > r.prompt_len:
+                text = get_json(base, "/detokenize", headers, {"model": model, "tokens": ids[: r.prompt_len]})
+                r = replace(r, prompt=text["prompt"])
+        except (BenchError, KeyError):
+            pass
+        out.append(r)
+    return out
+
+
+def _extra_body(opts: BenchOptions) -> dict:
+    extra = {k: v for k, v in (("temperature", opts.temperature), ("top_p", opts.top_p), ("top_k", opts.top_k))
+             if v is not None}  # fmt: skip
+    if opts.extra_body:
+        try:
+            more = json.loads(opts.extra_body)
+        except ValueError as e:
+            raise BenchError(f"--extra-body is not JSON: {e}") from None
+        if not isinstance(more, dict):
+            raise BenchError("--extra-body must be a JSON object")
+        extra.update(more)
+    return extra
+
+
+def _warm_up(opts: BenchOptions, first) -> None:
+    """The ready check (the first prompt, untimed, until the server answers it) and the warm-up requests."""
+    if opts.ready_check_timeout_sec > 0:
+        print("Starting initial single prompt test run...", file=sys.stderr)
+        out = _ready_check(first(), opts.ready_check_timeout_sec)
+        if not out.success:
+            raise BenchError(f"the initial test request failed: {out.error.strip().splitlines()[-1:]}")
+    for _ in range(opts.num_warmups):
+        first()()
+
+
+def _ready_check(job, timeout_s: int):
+    """Send the first prompt until it succeeds or `timeout_s` passes (vLLM's wait_for_endpoint); an HTTP error
+    other than 503 (still loading) is final."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        out = job()
+        if out.success or out.status not in (0, 503) or time.monotonic() >= deadline:
+            return out
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+
+
+def _save(opts: BenchOptions, plan: Plan, target: Target, tokenizer_id: str, result: dict) -> None:
+    """The JSON (vLLM's keys) and, unless --no-plot, the PNG of per-token latency next to it."""
+    now = datetime.now()
+    setup = {
+        "date": now.strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": plan.backend,
+        "backend": plan.backend,
+        "label": opts.label,
+        "model_id": target.model,
+        "tokenizer_id": tokenizer_id,
+        "num_prompts": plan.num_prompts,
+        **plan.metadata,
+        **_metadata(opts.metadata),
+        "request_rate": opts.request_rate if opts.request_rate < float("inf") else "inf",
+        "burstiness": opts.burstiness,
+        "max_concurrency": plan.max_concurrency,
+    }
+    data = report.result_json(setup, result, list(plan.metrics), list(plan.percentiles), opts.save_detailed)
+    name = opts.save_result if isinstance(opts.save_result, str) else opts.result_filename
+    label = opts.label or plan.backend
+    name = name or report.default_filename(label, opts.request_rate, plan.max_concurrency, target.model, now)
+    path = Path(opts.result_dir) / name if opts.result_dir else Path(name)
+    report.save(path, data)
+    print(f"wrote {path}", file=sys.stderr)
+    if not opts.no_plot and result["completed"]:
+        title = f"{target.model} · {plan.input_len} → {plan.output_len} tokens · {target.base}{plan.path}"
+        png = report.plot(path.with_suffix(".png"), result, title)
+        print(f"wrote {png}", file=sys.stderr)
+
+
+def _metadata(items) -> dict:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise BenchError(f"--metadata {item!r}: use KEY=VALUE")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
