@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsflash.runtime.counters import ExpertCounters
+from dsflash.counters import ExpertCounters
 
 
 class ScriptedRunner:

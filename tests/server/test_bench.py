@@ -46,6 +46,9 @@ def test_completions_run_writes_vllm_json_and_png(served, tmp_path):
     assert data["mean_e2el_ms"] > data["mean_ttft_ms"]
     assert data["decode_tok_s"] == pytest.approx(1000 / data["mean_tpot_ms"])
     assert data["max_concurrent_requests"] == 1
+    # the timed requests' share of the server's expert counters, under the engine's own names (dsflash.counters)
+    experts = data["experts"]
+    assert experts["hits"] + experts["misses"] > 0 and {"bytes_streamed", "hit_rate"} <= set(experts)
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -11,35 +11,47 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "dsflash"
 ALLOWED = {
     "errors": set(),
     "paths": set(),
+    "counters": set(),
     "config": {"errors"},
     "formats": {"errors"},
     "checkpoint": {"formats", "config", "errors", "paths"},
     "text": {"config", "errors"},
     "model": {"config", "formats", "errors"},
     "store": {"formats", "checkpoint", "config", "errors", "paths"},
-    "runtime": {"model", "store", "formats", "checkpoint", "config", "errors", "paths"},
-    "service": {"runtime", "text", "model", "checkpoint", "store", "formats", "config", "errors", "paths"},
-    "server": {"service", "text", "config", "errors", "paths"},
-    "bench": {"text", "errors"},
+    "runtime": {"model", "store", "formats", "checkpoint", "config", "errors", "paths", "counters"},
+    "service": {"runtime", "text", "model", "checkpoint", "store", "formats", "config", "errors", "paths", "counters"},
+    "server": {"service", "text", "config", "errors", "paths", "counters"},
+    "bench": {"text", "errors", "counters"},
     "sim": {"errors"},
-    "gates": {"model", "checkpoint", "runtime", "service", "store", "text", "formats", "config", "errors", "paths"},
+    "gates": {
+        "model",
+        "checkpoint",
+        "runtime",
+        "service",
+        "store",
+        "text",
+        "formats",
+        "config",
+        "errors",
+        "paths",
+        "counters",
+    },
     "cli": None,  # anything
     "__init__": set(),
     "__main__": {"cli"},
 }
-NO_TORCH = {"text", "bench", "sim", "errors", "paths", "config", "__init__"}
+NO_TORCH = {"text", "bench", "sim", "errors", "paths", "counters", "config", "__init__"}
 
 # runtime's wings -> the other wings each may import. The scheduler drives a Runner and imports no kernels; the CPU
 # kernels know nothing of experts, ranks or CUDA; only the TP wing assembles ranks from the others.
 WINGS = {
     "spec": {"tp", "cpu"},  # resolve() reads torchrun's environment and whether the CPU has AMX
-    "counters": set(),
-    "scheduler": {"counters"},
+    "scheduler": set(),
     "cpu": set(),
-    "experts": {"cpu", "counters"},
+    "experts": {"cpu"},
     "cuda": {"experts", "cpu"},
-    "reference": {"counters"},
-    "tp": {"spec", "counters", "experts", "cpu", "cuda"},
+    "reference": set(),
+    "tp": {"spec", "experts", "cpu", "cuda"},
     "__init__": set(),
 }
 GPU_ONLY = ("dsflash.runtime.cuda", "triton")  # imported at module level only by the CUDA wing

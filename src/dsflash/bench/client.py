@@ -69,6 +69,19 @@ def _connection(base_url: str, timeout: float) -> tuple[http.client.HTTPConnecti
     return cls(u.hostname, u.port, timeout=timeout), u.path.rstrip("/")
 
 
+def get_text(base_url: str, path: str, headers: dict, timeout: float = 30) -> str | None:
+    """GET -> the body as text, None where the server has no such route or cannot be reached (an optional probe)."""
+    try:
+        conn, prefix = _connection(base_url, timeout)
+        conn.request("GET", prefix + path, headers=dict(headers))
+        resp = conn.getresponse()
+        raw = resp.read()
+        conn.close()
+    except OSError:
+        return None
+    return raw.decode(errors="replace") if resp.status == 200 else None
+
+
 def get_json(base_url: str, path: str, headers: dict, body: dict | None = None, timeout: float = 30) -> dict:
     """GET (or POST with a JSON body) -> parsed JSON; raises BenchError with the reason."""
     try:

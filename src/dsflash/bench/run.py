@@ -15,6 +15,7 @@ from dsflash.bench import client, metrics, report
 from dsflash.bench.client import BenchError, get_json
 from dsflash.bench.datasets import PRESETS, TokenCounter, random_requests
 from dsflash.bench.options import ENDPOINTS, BenchOptions
+from dsflash.counters import ExpertCounters
 from dsflash.text.tokenizer import Tokenizer
 
 
@@ -64,14 +65,18 @@ def run(opts: BenchOptions) -> int:
 
     _warm_up(opts, lambda: job(reqs[0]))
     arrivals = client.arrival_times(len(reqs), opts.request_rate, opts.burstiness, opts.seed)
+    experts0 = _experts(target)
     t0 = time.perf_counter()
     jobs = [job(r, i) for r, i in zip(reqs, client.request_ids(len(reqs)))]
     outputs = client.Dispatcher(plan.max_concurrency).run(jobs, arrivals)
     duration = time.perf_counter() - t0
+    experts1 = _experts(target)
     failed = [o for o in outputs if not o.success]
     for i, o in enumerate(failed[:10]):
         print(f"Error {i}: {o.error.strip()}", file=sys.stderr)
     result = metrics.calculate(outputs, duration, list(plan.percentiles), lambda s: len(counter.encode(s)))
+    if experts0 is not None and experts1 is not None:  # a dsflash server: what the timed requests streamed
+        result["experts"] = (experts1 - experts0).to_json()
     print(report.console(result, plan.max_concurrency, opts.request_rate, list(plan.metrics), list(plan.percentiles)))
     if opts.save_result is not None or opts.result_filename or opts.result_dir:
         _save(opts, plan, target, tokenizer_id, result)
@@ -214,6 +219,12 @@ def _ready_check(job, timeout_s: int):
         if out.success or out.status not in (0, 503) or time.monotonic() >= deadline:
             return out
         time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+
+
+def _experts(target: Target) -> ExpertCounters | None:
+    """The server's expert counters from its /metrics, None where it has none (another engine)."""
+    text = client.get_text(target.base, "/metrics", target.headers)
+    return ExpertCounters.from_prometheus(text) if text is not None else None
 
 
 def _save(opts: BenchOptions, plan: Plan, target: Target, tokenizer_id: str, result: dict) -> None:

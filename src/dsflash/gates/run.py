@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsflash.counters import ExpertCounters
 from dsflash.gates.compare import compare_logits
 from dsflash.gates.reference import reference_forward, runner_forward
 from dsflash.gates.suites import DEFAULT_TOKENS, Thresholds, gate_tokens, split
-from dsflash.runtime.counters import ExpertCounters
 from dsflash.runtime.reference.loader import load_reference
 from dsflash.runtime.reference.scoring import decode_logits, prefill_logits
 from dsflash.runtime.spec import EngineSpec, resolve

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from dsflash.counters import PROMETHEUS
 from dsflash.service.api import RequestStats
 
 OUTCOMES = ("ok", "cancelled", "rejected", "invalid", "error")
@@ -62,7 +63,7 @@ class Metrics:
                 self.tpot.observe(1.0 / stats.tokens_per_s)
                 self.last_tokens_per_s = stats.tokens_per_s
             if stats.experts is not None:
-                for key in ("hits", "misses", "bytes_streamed"):
+                for key in PROMETHEUS:
                     self.totals[key] += getattr(stats.experts, key)
 
     def render(self) -> str:
@@ -79,9 +80,7 @@ class Metrics:
             for name, key, text in (
                 ("prompt_tokens_total", "prompt_tokens", "Prompt tokens of requests that produced output."),
                 ("generation_tokens_total", "generation_tokens", "Generated tokens."),
-                ("expert_hits_total", "hits", "Routed-expert lookups served from a device slot."),
-                ("expert_misses_total", "misses", "Routed-expert lookups that streamed the expert in."),
-                ("expert_bytes_streamed_total", "bytes_streamed", "Expert bytes copied to the device, all ranks."),
+                *((name, key, text) for key, (name, text) in PROMETHEUS.items()),
             ):
                 head(name, "counter", text)
                 lines.append(f"{P}{name}{{{m}}} {self.totals[key]}")

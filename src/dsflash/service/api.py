@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from dsflash.runtime.counters import ExpertCounters
+from dsflash.counters import ExpertCounters
 from dsflash.text.chat import ChatOptions
 from dsflash.text.tools import ToolCall
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dsflash.runtime.counters import ExpertCounters
+from dsflash.counters import ExpertCounters
 from dsflash.runtime.experts.device import Device, PackedMatrix, ShardLayout
 from dsflash.runtime.experts.slots import SlotPool
 

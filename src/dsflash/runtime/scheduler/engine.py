@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
+from dsflash.counters import ExpertCounters
 from dsflash.errors import EngineDead, InvalidRequest, NotReady
-from dsflash.runtime.counters import ExpertCounters
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, RequestQueue, StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import Sampler, top_logprobs
 

@@ -7,8 +7,8 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+from dsflash.counters import ExpertCounters
 from dsflash.errors import EngineDead, Overloaded
-from dsflash.runtime.counters import ExpertCounters
 from dsflash.runtime.scheduler.sampler import SamplingParams
 
 _ids = itertools.count(1)

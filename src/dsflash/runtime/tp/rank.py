@@ -9,12 +9,12 @@ import torch
 
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.load import load_into
+from dsflash.counters import ExpertCounters
 from dsflash.errors import ConfigError
 from dsflash.model.block import Embedding
 from dsflash.model.engram import EngramTable
 from dsflash.model.parallel import TP
 from dsflash.model.transformer import Transformer
-from dsflash.runtime.counters import ExpertCounters
 from dsflash.runtime.cpu import fused, native
 from dsflash.runtime.cpu.dense import pack_dense
 from dsflash.runtime.experts.cached import CachedExperts

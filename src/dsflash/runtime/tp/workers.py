@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.config import ModelConfig
+from dsflash.counters import ExpertCounters
 from dsflash.errors import ConfigError, EngineDead
 from dsflash.model.parallel import TP
-from dsflash.runtime.counters import ExpertCounters
 from dsflash.runtime.spec import EngineSpec, check_tp
 from dsflash.runtime.tp.rank import RankRuntime, rank_device
 from dsflash.runtime.tp.torchrun import launched_rank, local_world

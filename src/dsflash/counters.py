@@ -1,8 +1,17 @@
-"""The expert counters every consumer reads (engine, metrics, bench JSON, gates): one type, one set of names."""
+"""The expert counters every consumer reads (engine, /metrics, bench JSON, gates): one type, one set of names.
+Pure Python at the bottom of the layers, so that the HTTP-only bench reads the server's /metrics into the same type.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+
+# the counters /metrics exposes (after its "dsflash:" prefix): field -> (metric name, help text)
+PROMETHEUS = {
+    "hits": ("expert_hits_total", "Routed-expert lookups served from a device slot."),
+    "misses": ("expert_misses_total", "Routed-expert lookups that streamed the expert in."),
+    "bytes_streamed": ("expert_bytes_streamed_total", "Expert bytes copied to the device, all ranks."),
+}
 
 
 @dataclass(frozen=True)
@@ -37,3 +46,20 @@ class ExpertCounters:
 
     def to_json(self) -> dict:
         return {**asdict(self), "hit_rate": self.hit_rate}
+
+    @classmethod
+    def from_prometheus(cls, text: str, prefix: str = "dsflash:") -> ExpertCounters | None:
+        """The counters in a Prometheus text exposition (summed over label sets), None where it has none of them
+        (another server)."""
+        names = {prefix + metric: field for field, (metric, _) in PROMETHEUS.items()}
+        values: dict[str, int] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
+                try:
+                    values[names[name]] = values.get(names[name], 0) + int(float(line.rsplit(" ", 1)[1]))
+                except (IndexError, ValueError):
+                    continue
+        return cls(**values) if values else None
