@@ -1,4 +1,4 @@
-"""Invariants of the model's parts (architecture.md §9), on synthetic inputs."""
+"""Invariants of the model's parts (v41_spec.md §9), on synthetic inputs."""
 
 import dataclasses
 import json

@@ -296,3 +296,17 @@ def test_request_log_line(server, client, model):
     for part in ("prompt=2 ", "out=3 ", "ttft=", "tok/s=", "hit=", "streamed=", "finish=length", "outcome=ok"):
         assert part in line
     assert line.endswith("ignored=not_a_field")
+
+
+def test_a_field_name_cannot_forge_or_colour_a_log_line(server, client, model):
+    """A field name with a newline and terminal escapes stays inside its request's one line, escaped and capped."""
+    evil = "x\n\x1b[31mreq=forged outcome=ok" + "y" * 200
+    r = client.completions.create(model=model, prompt="x", max_tokens=1, extra_body={evil: 1})
+    for _ in range(50):
+        lines = [line for line in server.output().splitlines() if f"req={r.id} " in line]
+        if lines:
+            break
+        time.sleep(0.1)
+    out = server.output()
+    assert len(lines) == 1 and "\x1b" not in out and "req=forged" not in out.replace("\\x1b[31mreq=forged", "")
+    assert lines[0].endswith("ignored=x\\n\\x1b[31mreq=forged\\x20outcome=ok" + "y" * 26 + "...")

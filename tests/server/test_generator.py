@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dsflash.errors import ContextTooLong, EngineDead, NotReady, Overloaded
+from dsflash.errors import ContextTooLong, EngineDead, InvalidRequest, NotReady, Overloaded
 from dsflash.runtime.scheduler.engine import Engine
 from dsflash.server import render
 from dsflash.service.api import ChatRequest, CompletionRequest, GenerationOptions
@@ -290,6 +290,30 @@ def test_the_context_is_checked_once_here_with_the_templated_prompt(tok, make):
         gen.open_completion(CompletionRequest(tuple([5] * 64)))
     assert e.value.param == "prompt" and str(e.value) == "the prompt is 64 tokens; this model's context is 64 tokens"
     assert list(gen.stream(CompletionRequest("Hello", GenerationOptions(max_tokens=64 - n))))[-1].finish_reason
+
+
+def test_a_request_without_max_tokens_gets_the_server_default_and_none_passes_the_limit(tok):
+    """A request that names no max_tokens stops at the server's default (or where the context ends, if sooner); one
+    that asks for more than the server's limit is a 400 naming the limit."""
+    runner = ScriptedRunner([5] * 200, tok.vocab_size, eos=tok.eos_id, max_len=4096)
+    engine = Engine(runner, tok.eos_ids, max_queue=4).start()
+    try:
+        gen = Generator(engine, tok, 4096, max_tokens_default=7, max_tokens_limit=9)
+        for req in (ChatRequest(Q, GenerationOptions(temperature=0)), CompletionRequest("x", GenerationOptions())):
+            deltas = list(gen.stream(req))
+            assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 7
+        deltas = list(gen.stream(ChatRequest(Q, GenerationOptions(temperature=0, max_tokens=9))))
+        assert deltas[-1].usage.completion_tokens == 9
+        with pytest.raises(InvalidRequest, match="max_tokens is 10; this server allows at most 9 a request") as e:
+            gen.open_chat(ChatRequest(Q, GenerationOptions(max_tokens=10)))
+        assert e.value.param == "max_tokens"
+        short = Generator(engine, tok, 40, max_tokens_default=7)  # the context ends first
+        n = len(short.text_prompt("x"))
+        assert list(short.stream(CompletionRequest("x", GenerationOptions())))[-1].usage.completion_tokens == min(
+            7, 40 - n
+        )
+    finally:
+        engine.close()
 
 
 def test_admission_and_gauges(tok):

@@ -104,7 +104,21 @@ def test_body_over_the_cap_is_413(server):
 def test_unknown_routes_methods_and_models(server):
     assert_envelope(httpx.get(server.base + "/v2/nothing", headers=server.headers), 404)
     assert_envelope(httpx.get(server.base + "/v1/chat/completions", headers=server.headers), 405)
-    assert_envelope(httpx.delete(server.base + "/v1/models", headers=server.headers), 405)
+    r = httpx.delete(server.base + "/v1/models", headers=server.headers)
+    assert_envelope(r, 405)
+    assert r.headers["allow"] == "GET, HEAD"
+
+
+def test_head_is_get_without_a_body(server):
+    """Load balancers and uptime checks probe with HEAD: the GET routes answer it with GET's status and headers."""
+    for path in ("/health", "/v1/models", "/metrics"):
+        get, head = (httpx.request(m, server.base + path, headers=server.headers) for m in ("GET", "HEAD"))
+        assert head.status_code == get.status_code == 200 and head.content == b"", path
+        assert head.headers["content-type"] == get.headers["content-type"], path
+    assert httpx.head(server.base + "/v1/chat/completions", headers=server.headers).status_code == 405
+
+
+def test_unknown_models_and_bad_model_fields(server):
     r = post(server, "/v1/chat/completions", json.dumps({"model": "gpt-4", "messages": Q}).encode())
     assert_envelope(r, 404, "model_not_found")
     r = post(server, "/v1/completions", json.dumps({"model": 5, "prompt": "x"}).encode())

@@ -13,7 +13,7 @@ EVERY_FLAG = [
     "--expert-slots", "99", "--expert-format", "bfp8_b", "--device", "cpu", "--backend", "reference",
     "--max-queue", "3", "--max-model-len", "777", "--prefill-chunk", "2048", "--cache-dir", "/tmp/c", "--rebuild",
     "--default-chat-template-kwargs", '{"thinking": true}', "--shutdown-grace", "7", "--record-routing", "/tmp/r.jsonl",
-    "--enforce-eager",
+    "--enforce-eager", "--max-tokens-default", "100", "--max-tokens-limit", "200",
 ]  # fmt: skip
 NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "run"}  # the key travels in the environment
 

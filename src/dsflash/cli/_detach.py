@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import subprocess
@@ -10,35 +11,24 @@ import time
 
 from dsflash.server.registry import new_log_path, servers
 
+NOT_CARRIED = {"help", "detach", "api_key", "_child", "_log"}  # the API key travels in the environment
+
 
 def child_argv(args) -> list[str]:
-    """The same serve command without --detach (the API key travels in the environment, not in argv)."""
+    """The same serve command without --detach: every flag of serve's parser with the value it was given (so that a
+    new flag is carried without a word here)."""
+    from dsflash.cli.serve import add_parser
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    actions = [a for a in sub.choices["serve"]._actions if a.dest not in NOT_CARRIED]
     argv = [sys.executable, "-m", "dsflash", "serve"]
-    if args.model:
-        argv.append(args.model)
-    for flag, value in (
-        ("--profile", args.profile),
-        ("--host", args.host),
-        ("--port", args.port),
-        ("--tp", args.tp),
-        ("--expert-slots", args.expert_slots),
-        ("--expert-format", args.expert_format),
-        ("--device", args.device),
-        ("--backend", args.backend),
-        ("--max-queue", args.max_queue),
-        ("--max-model-len", args.max_model_len),
-        ("--prefill-chunk", args.prefill_chunk),
-        ("--cache-dir", args.cache_dir),
-        ("--default-chat-template-kwargs", args.default_chat_template_kwargs),
-        ("--shutdown-grace", args.shutdown_grace),
-        ("--record-routing", os.path.abspath(args.record_routing) if args.record_routing else None),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.rebuild:
-        argv.append("--rebuild")
-    if args.enforce_eager:
-        argv.append("--enforce-eager")
+    argv += [getattr(args, a.dest) for a in actions if not a.option_strings and getattr(args, a.dest) is not None]
+    for a in actions:
+        value = getattr(args, a.dest, None)
+        if not a.option_strings or value is None or value is False:
+            continue
+        argv += [a.option_strings[0]] if value is True else [a.option_strings[0], str(value)]
     return argv
 
 

@@ -4,6 +4,7 @@ engine spec's own (runtime.spec.EngineSpec), and `engine_spec` is the one way a 
 from __future__ import annotations
 
 import argparse
+import os
 
 from dsflash.paths import CACHE_DEFAULT
 from dsflash.runtime.spec import DEFAULT_SLOTS, DEVICES, EXPERT_FORMATS, EngineSpec  # no torch: the CLI stays light
@@ -60,6 +61,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: 
     p.add_argument(
         "--record-routing",
         default=None,
+        type=os.path.abspath,  # one absolute file, whichever process (a detached child) opens it
         metavar="FILE",
         help="append the expert routing of every MoE call to FILE (JSON lines; engine backend) for "
         "`dsflash simulate --trace FILE`",
@@ -79,8 +81,6 @@ def add_expert_format_argument(p: argparse.ArgumentParser, prefix: str = "", fla
 
 def engine_spec(args, **fields):
     """The EngineSpec the parsed flags ask for (not yet resolved); `fields` are a command's own choices (qat)."""
-    import os
-
     given = {
         "tp": args.tp,
         "expert_slots": args.expert_slots,
@@ -93,5 +93,5 @@ def engine_spec(args, **fields):
     if hasattr(args, "prefill_chunk"):
         given["prefill_chunk"] = args.prefill_chunk
     if getattr(args, "record_routing", None):
-        given["record_routing"] = os.path.abspath(args.record_routing)
+        given["record_routing"] = args.record_routing
     return EngineSpec(**given, **fields)

@@ -8,6 +8,7 @@ import sys
 import time
 
 from dsflash.cli._engine import add_engine_arguments
+from dsflash.service.api import MAX_TOKENS_DEFAULT
 
 DEFAULT_PORT = 20000
 API_KEY_ENV = "DSFLASH_API_KEY"
@@ -51,6 +52,18 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 + Retry-After")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the profile's)")
     p.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=MAX_TOKENS_DEFAULT,
+        help="new tokens a request that names no max_tokens may generate at most (never more than the context leaves)",
+    )
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=None,
+        help="the most new tokens any request may ask for; more is a 400 (default: what the context leaves)",
+    )
+    p.add_argument(
         "--default-chat-template-kwargs",
         default=None,
         metavar="JSON",
@@ -83,7 +96,14 @@ def boot_options(args):
     from dsflash.cli._engine import engine_spec
     from dsflash.service.boot import BootOptions
 
-    return BootOptions(engine_spec(args), args.backend, max_queue=args.max_queue, max_model_len=args.max_model_len)
+    return BootOptions(
+        engine_spec(args),
+        args.backend,
+        max_queue=args.max_queue,
+        max_model_len=args.max_model_len,
+        max_tokens_default=args.max_tokens_default,
+        max_tokens_limit=args.max_tokens_limit,
+    )
 
 
 def _chat_defaults(text: str | None):
@@ -165,15 +185,22 @@ class _Serve:
             f"  Ready in {ready:.1f}s · {model} · profile {self.choice.profile.name} · "
             f"context {booted.max_len:,} tokens · backend {booted.backend.name}",
             f"  endpoint  {base}/v1",
+            f"  limits    max_tokens {_limits(booted)}",
             f"  try       curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
             f"  logs      dsflash logs {model} --follow   ({record.log})",
             f"  stop      {stop}",
             "",
         ]
         if self.api_key is not None:
-            lines[3] = lines[3].replace("curl ", 'curl -H "Authorization: Bearer $DSFLASH_API_KEY" ')
+            lines = [x.replace("curl ", 'curl -H "Authorization: Bearer $DSFLASH_API_KEY" ', 1) for x in lines]
         for line in lines:
             self.console.line(line)
+
+
+def _limits(booted) -> str:
+    o = booted.opts
+    most = f"at most {o.max_tokens_limit:,}" if o.max_tokens_limit else "at most what the context leaves"
+    return f"{o.max_tokens_default:,} where a request names none (--max-tokens-default), {most} (--max-tokens-limit)"
 
 
 def _setup_logging(console) -> None:

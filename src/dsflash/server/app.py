@@ -130,14 +130,15 @@ class App:
         method, path = scope["method"], scope["path"]
         route = ROUTES.get(path)
         if route is None and path.startswith("/v1/models/"):
-            if method != "GET":
-                raise HttpError("method", f"{method} is not allowed on {path} (use GET)", allow="GET")
+            if method not in ("GET", "HEAD"):
+                raise HttpError("method", f"{method} is not allowed on {path} (use GET)", allow="GET, HEAD")
             self._authorize(scope)
             return routes.model(self, path[len("/v1/models/") :])
         if route is None:
             raise HttpError("not_found", f"Invalid URL ({method} {path})")
-        if method != route.method:
-            raise HttpError("method", f"{method} is not allowed on {path} (use {route.method})", allow=route.method)
+        if method != route.method and not (method == "HEAD" and route.method == "GET"):  # HEAD: GET's headers
+            allow = "GET, HEAD" if route.method == "GET" else route.method
+            raise HttpError("method", f"{method} is not allowed on {path} (use {route.method})", allow=allow)
         if route.auth:
             self._authorize(scope)
         body = await self._read_json(scope, receive) if method == "POST" else None
@@ -392,7 +393,21 @@ def log_line(s, outcome: str, ignored: list[str]) -> str:
         f"req={s.request_id} prompt={s.prompt_tokens} out={s.completion_tokens} ttft={ttft} tok/s={tps} "
         f"hit={hit} streamed={_bytes(streamed)} finish={s.finish_reason or '-'} outcome={outcome}"
     )
-    return line + (f" ignored={','.join(ignored)}" if ignored else "")
+    if not ignored:
+        return line
+    shown = ",".join(loggable(name) for name in ignored[:LOG_NAMES])
+    more = f",+{len(ignored) - LOG_NAMES} more" if len(ignored) > LOG_NAMES else ""
+    return f"{line} ignored={shown}{more}"
+
+
+LOG_NAMES, LOG_NAME_CHARS = 16, 64  # of a request's ignored field names, how many reach its log line, how long
+
+
+def loggable(text: str, limit: int = LOG_NAME_CHARS) -> str:
+    """A client's text as it may stand in a log line: one printable ASCII line (control characters, backslashes and
+    non-ASCII escaped, so a newline or a terminal escape cannot forge or colour a line), at most `limit` characters."""
+    safe = text.encode("unicode_escape").decode("ascii").replace(" ", "\\x20")
+    return safe if len(safe) <= limit else safe[: limit - 3] + "..."
 
 
 def _bytes(n: int | None) -> str:

@@ -11,6 +11,9 @@ from dsflash.text.chat import ChatOptions
 from dsflash.text.tools import ToolCall
 
 MAX_LOGPROBS = 20
+# new tokens a request that names no max_tokens may generate (the rest of the context where less is left): one
+# request without a limit must not hold a one-sequence server for minutes (a chat at the full context ran 3.5 min)
+MAX_TOKENS_DEFAULT = 2048
 GAUGES = ("queue_depth", "requests_running")  # what Generator.gauges() reports (zero while nothing is attached)
 
 

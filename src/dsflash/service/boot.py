@@ -16,6 +16,7 @@ from typing import Protocol
 from dsflash.errors import ConfigError
 from dsflash.paths import embedded_dir
 from dsflash.runtime.spec import EngineSpec
+from dsflash.service.api import MAX_TOKENS_DEFAULT
 from dsflash.service.catalog import ModelChoice
 from dsflash.service.files import ModelFiles
 
@@ -28,12 +29,20 @@ class BootOptions:
     backend: str = "engine"
     max_queue: int = 64
     max_model_len: int | None = None  # overrides the profile's context
+    max_tokens_default: int = MAX_TOKENS_DEFAULT  # a request without max_tokens gets this many at most
+    max_tokens_limit: int | None = None  # the most any request may ask for; None: what the context leaves
 
     def __post_init__(self):
         if self.max_queue < 0:
             raise ConfigError("--max-queue must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be at least 2")
+        if self.max_tokens_default < 1 or (self.max_tokens_limit is not None and self.max_tokens_limit < 1):
+            raise ConfigError("--max-tokens-default and --max-tokens-limit must be at least 1")
+        if self.max_tokens_limit is not None and self.max_tokens_default > self.max_tokens_limit:
+            raise ConfigError(
+                f"--max-tokens-default {self.max_tokens_default} is above --max-tokens-limit {self.max_tokens_limit}"
+            )
 
 
 @dataclass
@@ -60,6 +69,7 @@ class Booted:
     max_len: int
     backend: Backend
     rows: list[Row] = field(default_factory=list)
+    opts: BootOptions = field(default_factory=BootOptions)
 
     @property
     def tokenizer(self):
@@ -289,4 +299,4 @@ def boot(choice: ModelChoice, opts: BootOptions, report: Report = lambda row: No
         row.state, row.detail = "done", out
         row.seconds = time.perf_counter() - t0
         report(row)
-    return Booted(choice, ctx.files, ctx.engine, ctx.max_len, ctx.backend, rows)
+    return Booted(choice, ctx.files, ctx.engine, ctx.max_len, ctx.backend, rows, opts)

@@ -43,15 +43,27 @@ class Generator:
     """Requests in, Iterator[Delta] out, over a started runtime.scheduler.engine.Engine."""
 
     def __init__(
-        self, engine: Engine, tokenizer: Tokenizer, max_len: int, release: str = "v41", clock=time.perf_counter
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        max_len: int,
+        release: str = "v41",
+        clock=time.perf_counter,
+        max_tokens_default: int | None = None,
+        max_tokens_limit: int | None = None,
     ):
+        """max_tokens_default: what a request without max_tokens may generate at most (None: the rest of the
+        context); max_tokens_limit: the most a request may ask for (None: what the context leaves)."""
         self.engine, self.tokenizer, self.max_len, self.release = engine, tokenizer, max_len, release
         self.clock = clock
+        self.max_tokens_default, self.max_tokens_limit = max_tokens_default, max_tokens_limit
 
     @classmethod
     def serving(cls, booted: Booted) -> Generator:
         """The service over what boot produced."""
-        return cls(booted.engine, booted.tokenizer, booted.max_len, booted.files.ckpt.config.model_type)
+        o = booted.opts
+        return cls(booted.engine, booted.tokenizer, booted.max_len, booted.files.ckpt.config.model_type,
+                   max_tokens_default=o.max_tokens_default, max_tokens_limit=o.max_tokens_limit)  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
@@ -103,6 +115,19 @@ class Generator:
         pipe = _Pipeline(self.tokenizer, req.options, echo=req.echo)
         return self._submit(ids, req.options, pipe, req.request_id, t0, param="prompt")
 
+    def _max_tokens(self, asked: int | None, n: int) -> int:
+        """What a request with an n-token prompt may generate: the server's default where it names none (never
+        more than the context leaves), what it asks for within the server's limit otherwise."""
+        if asked is None:
+            left = self.max_len - n
+            return left if self.max_tokens_default is None else min(left, self.max_tokens_default)
+        if self.max_tokens_limit is not None and asked > self.max_tokens_limit:
+            raise InvalidRequest(
+                f"max_tokens is {asked}; this server allows at most {self.max_tokens_limit} a request",
+                param="max_tokens",
+            )
+        return asked
+
     def stream(self, req: ChatRequest | CompletionRequest) -> Iterator[Delta]:
         return iter(self.open_chat(req) if isinstance(req, ChatRequest) else self.open_completion(req))
 
@@ -110,7 +135,7 @@ class Generator:
         n = len(ids)
         if n >= self.max_len:
             raise ContextTooLong(f"the prompt is {n} tokens; this model's context is {self.max_len} tokens", param)
-        max_tokens = self.max_len - n if opts.max_tokens is None else opts.max_tokens
+        max_tokens = self._max_tokens(opts.max_tokens, n)
         if n + max_tokens > self.max_len:
             raise ContextTooLong(
                 f"this model's context is {self.max_len} tokens; the prompt has {n} and max_tokens is {max_tokens} "

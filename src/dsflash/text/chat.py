@@ -1,4 +1,4 @@
-"""DeepSeek V4 / V4.1 chat encoding (architecture.md §6.3-6.4): messages -> prompt text, and completion -> message.
+"""DeepSeek V4 / V4.1 chat encoding (v41_spec.md §6.3-6.4): messages -> prompt text, and completion -> message.
 
 Two layers. `render_messages` takes DeepSeek-native messages (roles system/user/assistant/tool/developer/
 latest_reminder, `tools` on a system or developer message, `task`, `wo_eos`) and reproduces DeepSeek's encoder

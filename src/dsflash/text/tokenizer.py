@@ -33,7 +33,7 @@ IMAGE = "<｜deepseek_image｜>"
 # The V4 file has `<｜image2｜>` at 129264, the id V4.1's config names as image_token_id. When we stand in the V4
 # file for V4.1 we rename that entry rather than add a new id, so the placeholder keeps the id the model expects.
 _V4_IMAGE_SLOT = (129264, "<｜image2｜>")
-# `<｜System｜>` is absent from the V4 file and its V4.1 id is unknown (architecture.md §6.1), so it gets a new id
+# `<｜System｜>` is absent from the V4 file and its V4.1 id is unknown (v41_spec.md §6.1), so it gets a new id
 # past the end (129280). That id is outside a real V4.1 embedding (129280 rows): the fallback is for tests and tiny
 # models; a real V4.1 checkpoint ships its own tokenizer.json, which always wins.
 _V41_NEW_SPECIALS = (SYSTEM,)
