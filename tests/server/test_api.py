@@ -298,6 +298,14 @@ def test_request_log_line(server, client, model):
     assert line.endswith("ignored=not_a_field")
 
 
+def test_a_request_logs_at_most_sixteen_ignored_names():
+    from dsflash.server.app import log_line
+    from dsflash.service.api import RequestStats
+
+    line = log_line(RequestStats("req-1"), "ok", [f"f{i}" for i in range(20)])
+    assert line.endswith(" ignored=" + ",".join(f"f{i}" for i in range(16)) + ",+4 more")
+
+
 def test_a_field_name_cannot_forge_or_colour_a_log_line(server, client, model):
     """A field name with a newline and terminal escapes stays inside its request's one line, escaped and capped."""
     evil = "x\n\x1b[31mreq=forged outcome=ok" + "y" * 200

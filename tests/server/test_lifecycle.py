@@ -44,6 +44,7 @@ def test_boot_port_walk_detach_stop(tmp_path):
         out = a.wait_output("Ready in")
         assert "generated" in out and "Ready in" in out and f"http://127.0.0.1:{port}/v1" in out
         assert "expert store      built after the packer self-check" in out
+        assert "limits    max_tokens 2,048 where a request names none (--max-tokens-default)" in out
         for label in ("checkpoint", "inventory", "expert store", "dense weights", "slots and caches", "warm-up", "API"):
             assert f" {label} " in out, label
 

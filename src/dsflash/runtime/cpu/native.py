@@ -6,6 +6,7 @@ fall back to torch (correct, slower)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -38,6 +39,11 @@ def _cpu_signature() -> bytes:
         return (flags[0] if flags else "").encode()
     except OSError:
         return os.uname().machine.encode()
+
+
+@functools.cache
+def _cpu_flags() -> bytes:
+    return _cpu_signature()
 
 
 def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
@@ -418,6 +424,8 @@ def hc_expand(f: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.
 
 def amx_ready() -> bool:
     """The CPU has AMX-BF16, the kernels were built for it, and the kernel lets this process use the tiles."""
+    if b"amx_bf16" not in _cpu_flags():  # nothing to ask the kernels (and no build just to learn that)
+        return False
     k = lib()
     return bool(k is not None and k.amx_ready())
 

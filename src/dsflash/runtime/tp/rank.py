@@ -75,8 +75,6 @@ class RankRuntime:
     kernel hooks), then `allocate` (the decode state, the slot pool over the store shard, the CUDA graphs)."""
 
     def __init__(self, model_dir: str, max_len: int, spec: EngineSpec, tp: TP, token_map, device: Device | None = None):
-        if not spec.resolved:
-            raise ConfigError("a rank is built from a resolved engine spec (runtime.spec.resolve)")
         self.model_dir, self.max_len, self.spec, self.tp, self.token_map = model_dir, max_len, spec, tp, token_map
         self.slot_device = device  # None: the rank's own (CpuDevice or CudaDevice)
         self.device = rank_device(spec.device, tp.rank)
