@@ -15,6 +15,15 @@ MAX_LOGPROBS = 20
 # request without a limit must not hold a one-sequence server for minutes (a chat at the full context ran 3.5 min)
 MAX_TOKENS_DEFAULT = 2048
 GAUGES = ("queue_depth", "requests_running")  # what Generator.gauges() reports (zero while nothing is attached)
+# what Generator.prefix_stats() reports (zero while nothing is attached or reuse is off): name -> (kind, help);
+# the server exposes each as dsflash:<name>
+PREFIX_METRICS = {
+    "prefix_cache_lookups_total": ("counter", "Prompts looked up in the prefix cache."),
+    "prefix_cache_hit_tokens_total": ("counter", "Prompt tokens restored from a snapshot instead of prefilled."),
+    "prefix_cache_evictions_total": ("counter", "Snapshots evicted from host memory or disk."),
+    "prefix_cache_memory_bytes": ("gauge", "Bytes of sequence snapshots held in host memory."),
+    "prefix_cache_disk_bytes": ("gauge", "Bytes of sequence snapshots on disk (--prefix-cache-dir)."),
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,7 @@ class ChatRequest:
     tools: Sequence[Mapping] | None = None
     tool_choice: Literal["auto", "none"] = "auto"
     request_id: str | None = None
+    cache_salt: str | None = None  # prefixes match only requests with the same salt (vLLM's field)
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class CompletionRequest:
     options: GenerationOptions = GenerationOptions()
     echo: bool = False
     request_id: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     reasoning_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (usage.prompt_tokens_details)
 
     @property
     def total_tokens(self) -> int:
@@ -90,6 +102,7 @@ class RequestStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     reasoning_tokens: int = 0
+    cached_tokens: int = 0
     ttft_s: float | None = None  # receipt -> first token (queue wait + prefill)
     decode_s: float = 0.0  # first token -> last token
     experts: ExpertCounters | None = None  # this request's share of the runner's expert counters

@@ -18,6 +18,7 @@ from dsflash.errors import ContextTooLong, InvalidRequest
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import SamplingParams
 from dsflash.service.api import (
+    PREFIX_METRICS,
     ChatRequest,
     CompletionRequest,
     Delta,
@@ -78,6 +79,10 @@ class Generator:
     def gauges(self) -> dict[str, int]:
         """What /metrics shows of the engine now; the keys are api.GAUGES."""
         return {"queue_depth": self.engine.queue.depth, "requests_running": int(self.engine.current is not None)}
+
+    def prefix_stats(self) -> dict[str, float]:
+        """The prefix cache's counters and sizes now; the keys are api.PREFIX_METRICS."""
+        return dict.fromkeys(PREFIX_METRICS, 0)
 
     # ---- prompts ------------------------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatRequest) -> list[int]:
@@ -221,7 +226,8 @@ class Stream:
         if reason == "stop" and pipe.tool_calls:
             reason = "tool_calls"
         self.stats.finish_reason = reason
-        usage = Usage(self.stats.prompt_tokens, self.stats.completion_tokens, self.stats.reasoning_tokens)
+        st = self.stats
+        usage = Usage(st.prompt_tokens, st.completion_tokens, st.reasoning_tokens, st.cached_tokens)
         yield Delta("content", logprobs=pipe.take_logprobs(), finish_reason=reason, usage=usage)
 
     def _read_counters(self, stats: StepStats | None) -> None:
