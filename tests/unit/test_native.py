@@ -1,4 +1,5 @@
-"""The engine's native CPU kernels against plain torch, for the AVX-512 build, the portable build and no build."""
+"""The engine's native CPU kernels against plain torch, for the native build (AVX-512 or AVX2 on this CPU), the AVX2
+build forced (covered on a CPU with AVX-512 too), the portable build and no build."""
 
 from pathlib import Path
 
@@ -12,13 +13,19 @@ from dsflash.model.parallel import TP
 from dsflash.runtime.cpu import native
 from dsflash.runtime.cpu.dense import HEAD_EXACT, Bf16Weight, Fp8Weight, ScreenedHead, decode_bytes
 
-AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+CPUINFO = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+AVX512 = "avx512f" in CPUINFO
+HAS_AVX2 = all(f in CPUINFO.split() for f in ("avx2", "fma", "f16c"))
 
 
-@pytest.fixture(params=["native", "generic", "none"])
+@pytest.fixture(params=["native", "avx2", "generic", "none"])
 def kernels(request, monkeypatch):
     if request.param == "native":
         lib = native.lib()
+    elif request.param == "avx2":
+        if not HAS_AVX2:
+            pytest.skip("this CPU has no AVX2")
+        lib = native.build(native.AVX2_FLAGS)
     elif request.param == "generic":
         lib = native.build(native.GENERIC_FLAGS)
     else:
@@ -339,7 +346,8 @@ def test_shared_expert_in_one_call_is_its_three_products(kernels):
         x = torch.randn(1, d, generator=g)
         args = (w1.q, w1.scale256, w3.q, w3.scale256, w2.q, w2.scale256, 32)
         got = native.fp8_ffn_decode(*args, x, 1.0)
-        if kernels != "native" or not AVX512:  # the portable loops have no vector loops to share; none: nothing
+        vector = kernels == "avx2" or (kernels == "native" and (AVX512 or HAS_AVX2))
+        if not vector:  # the portable loops have no vector loops to share; none: nothing
             assert got is None
             return
         want = w2.linear(swiglu(w1.linear(x), w3.linear(x), 1.0))

@@ -28,6 +28,9 @@ MBITS = {"bfp4_b": 3, "bfp8_b": 7}
 BF16X2 = "bf16x2"  # prefill products on AMX with x as two bf16 terms (amx_cpu.c): a matmul mode next to the dtypes
 _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp")
 GENERIC_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-fopenmp")  # no AVX-512: the portable loops
+# the AVX2 + FMA + F16C loops (csrc/simd.h), which a CPU with AVX-512 would otherwise never build: tests force them
+AVX2_FLAGS = ("-O3", "-march=haswell", "-mtune=generic", "-shared", "-fPIC", "-std=c11", "-fopenmp")
+SOURCES, HEADERS = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c", "mhc_cpu.c"), ("simd.h",)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
 
@@ -53,17 +56,15 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
         log.warning("no C compiler found: the engine's CPU kernels fall back to torch (slower)")
         return None
     csrc = resources.files("dsflash.runtime.cpu") / "csrc"
-    names = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c", "mhc_cpu.c")
-    src = b"".join((csrc / n).read_bytes() for n in names)
+    src = b"".join((csrc / n).read_bytes() for n in SOURCES + HEADERS)
     key = hashlib.sha256(src + " ".join([cc, *flags]).encode() + _cpu_signature()).hexdigest()[:16]
     out = kernel_dir() / f"dsflash_cpu-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            files = []
-            for n in names:
+            for n in SOURCES + HEADERS:
                 (Path(tmp) / n).write_bytes((csrc / n).read_bytes())
-                files.append(str(Path(tmp) / n))
+            files = [str(Path(tmp) / n) for n in SOURCES]
             so = Path(tmp) / out.name
             res = subprocess.run([cc, *flags, "-o", str(so), *files, "-lm"], capture_output=True, text=True)
             if res.returncode != 0:

@@ -7,13 +7,14 @@
  *
  * Built at first use with the system C compiler (-O3 -march=native -fopenmp) by runtime/cpu/native.py, which links
  * the OpenMP runtime torch already loaded, so these kernels share torch's thread team instead of fighting it.
- * The generic loops are the fallback the compiler vectorizes where AVX-512 is absent. */
+ * AVX2 CPUs (simd.h's DSF_AVX2) have their own loops; the generic loops are the fallback everywhere else. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "simd.h"
 
 /* below this many tiles a call runs on one thread: waking the team costs more than it saves */
 #define PARALLEL_TILES 256
@@ -193,6 +194,104 @@ static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *xq, float *y, 
 
 #endif
 
+#ifdef DSF_AVX2
+/* A face row (16 codes) -> two vectors of 8 fp32, the integer values q with their signs. GEMV: the signed 8-bit
+ * integers first, in one or two byte operations (a table lookup for bfp4_b's nibbles, psignb for bfp8_b); "-0"
+ * becomes +0 there, which changes only a product's sign of zero. Expansion keeps the exact -0 of the generic loops. */
+static inline void decode_row_avx2(const uint8_t *d, int m, int exact, __m256 *lo, __m256 *hi) {
+    if (m == 3) {
+        const __m128i low4 = _mm_set1_epi8(15);
+        const __m128i b = _mm_loadl_epi64((const __m128i *)d);
+        const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+        if (!exact) {
+            const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 0, -1, -2, -3, -4, -5, -6, -7);
+            const __m128i q = _mm_shuffle_epi8(lut, c);
+            *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+            return;
+        }
+        const __m256i c0 = _mm256_cvtepu8_epi32(c), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(c, 8));
+        const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
+        *lo = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_and_si256(c0, seven))),
+                                                   _mm256_slli_epi32(_mm256_and_si256(c0, eight), 28)));
+        *hi = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_and_si256(c1, seven))),
+                                                   _mm256_slli_epi32(_mm256_and_si256(c1, eight), 28)));
+        return;
+    }
+    const __m128i b = _mm_loadu_si128((const __m128i *)d);
+    if (!exact) { /* psignb: the magnitude negated where the code's top bit (its sign) is set */
+        const __m128i q = _mm_sign_epi8(_mm_and_si128(b, _mm_set1_epi8(127)), b);
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+        return;
+    }
+    const __m256i c0 = _mm256_cvtepu8_epi32(b), c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256i mag = _mm256_set1_epi32(127), sgn = _mm256_set1_epi32(128);
+    *lo = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_and_si256(c0, mag))),
+                                               _mm256_slli_epi32(_mm256_and_si256(c0, sgn), 24)));
+    *hi = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_and_si256(c1, mag))),
+                                               _mm256_slli_epi32(_mm256_and_si256(c1, sgn), 24)));
+}
+
+/* Rows [r0, r0 + R) of half h of one tile row (tc tiles at row) against K vectors (R K <= 8 accumulators: AVX2 has
+ * 16 registers), y[k][r] = the row's dot product. Every row takes the same operations in the same order whichever
+ * rows and vectors run beside it, so a TP shard's rows and a batch's vectors have the bits of one row alone. */
+static inline __attribute__((always_inline)) void rows_avx2(const uint8_t *row, int tc, int m, const float *sc,
+                                                             const float *const *x, const int K, int h, int r0,
+                                                             const int R, float *const *y) {
+    const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
+    __m256 acc[8];
+    for (int i = 0; i < R * K; i++) acc[i] = _mm256_setzero_ps();
+    for (int tj = 0; tj < tc; tj++) {
+        const uint8_t *t = row + (size_t)tj * tb;
+        for (int fc = 0; fc < 2; fc++) {
+            const int f = 2 * h + fc;
+            __m256 xl[2], xh[2];
+            for (int k = 0; k < K; k++) {
+                xl[k] = _mm256_loadu_ps(x[k] + tj * 32 + fc * 16);
+                xh[k] = _mm256_loadu_ps(x[k] + tj * 32 + fc * 16 + 8);
+            }
+            const uint8_t *d = t + 64 + f * fb, *e = t + 16 * f;
+            for (int r = 0; r < R; r++) {
+                __m256 lo, hi;
+                decode_row_avx2(d + (r0 + r) * rb, m, 0, &lo, &hi);
+                const __m256 s = _mm256_set1_ps(sc[e[r0 + r]]);
+                lo = _mm256_mul_ps(lo, s);
+                hi = _mm256_mul_ps(hi, s);
+                for (int k = 0; k < K; k++) {
+                    acc[k * R + r] = _mm256_fmadd_ps(lo, xl[k], acc[k * R + r]);
+                    acc[k * R + r] = _mm256_fmadd_ps(hi, xh[k], acc[k * R + r]);
+                }
+            }
+        }
+    }
+    for (int k = 0; k < K; k++)
+        for (int r = 0; r < R; r++) y[k][r] = hsum8(acc[k * R + r]);
+}
+
+/* tile row ti against one vector -> its 32 outputs, eight rows at a time */
+static inline void row32_avx2(const uint8_t *tiles, int tc, int m, const float *sc, const float *x, int ti,
+                              float *y32) {
+    const uint8_t *row = tiles + (size_t)ti * tc * tile_bytes(m);
+    const float *xs[1] = {x};
+    for (int q = 0; q < 4; q++) {
+        float *ys[1] = {y32 + 8 * q};
+        rows_avx2(row, tc, m, sc, xs, 1, q >> 1, 8 * (q & 1), 8, ys);
+    }
+}
+
+/* tile row ti against vectors x0 and x1 (rows of length in) -> 32 outputs each, four rows at a time */
+static inline void row32x2_avx2(const uint8_t *tiles, int tc, int m, const float *sc, const float *x0,
+                                const float *x1, int ti, float *y0, float *y1) {
+    const uint8_t *row = tiles + (size_t)ti * tc * tile_bytes(m);
+    const float *xs[2] = {x0, x1};
+    for (int q = 0; q < 8; q++) {
+        float *ys[2] = {y0 + 4 * q, y1 + 4 * q};
+        rows_avx2(row, tc, m, sc, xs, 2, q >> 2, 4 * (q & 3), 4, ys);
+    }
+}
+#endif
+
 /* 16 columns of x -> the form rows_bfp4 reads: four column classes of 16 lanes, lane j of class k = x[4 (j % 4) + k] */
 static inline void put_q4(const float *x16, float *seg64) {
     for (int k = 0; k < 4; k++)
@@ -268,6 +367,17 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
             }
         }
     }
+#elif defined(DSF_AVX2)
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc * nx > PARALLEL_TILES)
+    for (int ti = tr0; ti < tr1; ti++) {
+        int k = 0;
+        for (; k + 2 <= nx; k += 2) {
+            const float *x0 = x + (size_t)k * in;
+            row32x2_avx2(tiles, tc, m, sc, x0, x0 + in, ti, y + (size_t)k * out + ti * 32,
+                         y + (size_t)(k + 1) * out + ti * 32);
+        }
+        if (k < nx) row32_avx2(tiles, tc, m, sc, x + (size_t)k * in, ti, y + (size_t)k * out + ti * 32);
+    }
 #else
     for (int ti = tr0; ti < tr1; ti++)
         for (int k = 0; k < nx; k++) row32_generic(tiles, tc, m, sc, x + (size_t)k * in, ti, y + (size_t)k * out + ti * 32);
@@ -296,11 +406,16 @@ static inline void row_pair(int m, const float *sc, int tc, const uint8_t *a, co
 }
 #else
 #define Q4_FORM(m) 0
+#ifdef DSF_AVX2
+#define ROW32 row32_avx2
+#else
+#define ROW32 row32_generic
+#endif
 static inline void row_pair(int m, const float *sc, int tc, const uint8_t *a, const float *xa, const uint8_t *na,
                             float *ya, const uint8_t *b, const float *xb, const uint8_t *nb, float *yb) {
     (void)na, (void)nb;
-    row32_generic(a, tc, m, sc, xa, 0, ya);
-    if (b != NULL) row32_generic(b, tc, m, sc, xb, 0, yb);
+    ROW32(a, tc, m, sc, xa, 0, ya);
+    if (b != NULL) ROW32(b, tc, m, sc, xb, 0, yb);
 }
 #endif
 
@@ -413,6 +528,17 @@ static void expand_tile_row(const uint8_t *tiles, int tc, int m, const float *sc
                 float s = sc[t[16 * f + r]];
 #ifdef __AVX512F__
                 store16(out, at, bf16, _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(s)));
+#elif defined(DSF_AVX2)
+                __m256 lo, hi;
+                decode_row_avx2(d + r * rb, m, 1, &lo, &hi);
+                lo = _mm256_mul_ps(lo, _mm256_set1_ps(s));
+                hi = _mm256_mul_ps(hi, _mm256_set1_ps(s));
+                if (bf16) {
+                    store_bf16x16((uint16_t *)out + at, lo, hi);
+                } else {
+                    _mm256_storeu_ps((float *)out + at, lo);
+                    _mm256_storeu_ps((float *)out + at + 8, hi);
+                }
 #else
                 decode_row(d + r * rb, m, v);
                 for (int c = 0; c < 16; c++) v[c] *= s;

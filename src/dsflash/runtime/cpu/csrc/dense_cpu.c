@@ -11,6 +11,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#include "simd.h"
 
 /* E4M3 byte -> fp32, exact. */
 static inline float e4m3_scalar(uint8_t b) {
@@ -103,7 +104,71 @@ static inline __attribute__((always_inline)) void fp8_rows1(const uint8_t *w, in
     }
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
+#endif
 
+#ifdef DSF_AVX2
+/* e4m3x32's conversion for 16 bytes into two vectors of 8 (the same fp16 trick, the same 2^-8) */
+static inline void e4m3x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
+    const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i f16 = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(f16));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(f16, 1));
+}
+
+/* fp8_row's two vectors, eight lanes at a time */
+static inline void fp8_row(const uint8_t *row, const float *sr, int I, int B, const float *x0, const float *x1,
+                           int two, float *out0, float *out1) {
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    for (int j = 0, c = 0; c < I; j++) {
+        const __m256 s = _mm256_set1_ps(sr[j]);
+        for (int end = c + B; c < end; c += 16) {
+            __m256 lo, hi;
+            e4m3x16(row + c, &lo, &hi);
+            lo = _mm256_mul_ps(lo, s);
+            hi = _mm256_mul_ps(hi, s);
+            a = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x0 + c + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x0 + c), a));
+            if (two)
+                b = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x1 + c + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x1 + c), b));
+        }
+    }
+    *out0 = hsum8(a);
+    if (two) *out1 = hsum8(b);
+}
+
+/* fp8_rows1 with one accumulator a row (16 registers): eight independent FMA chains keep the units busy and eight
+ * rows in flight keep the memory system busy, as on AVX-512 */
+#define FP8_ROWS 8
+static inline __attribute__((always_inline)) void fp8_rows1(const uint8_t *w, int I, const float *sr, int B,
+                                                             const float *x, float *y, const int R) {
+    __m256 a[FP8_ROWS];
+    for (int r = 0; r < R; r++) a[r] = _mm256_setzero_ps();
+    for (int j = 0, c = 0; c < I; j++) {
+        const __m256 s = _mm256_set1_ps(sr[j]);
+        for (int r = 0; r < R; r++) {
+            const char *next = (const char *)(w + (size_t)(R + r) * I + c);
+            for (int l = 0; l < B; l += 64) _mm_prefetch(next + l, _MM_HINT_T0);
+        }
+        for (int end = c + B; c < end; c += 16) {
+            const __m256 x0 = _mm256_mul_ps(_mm256_loadu_ps(x + c), s);
+            const __m256 x1 = _mm256_mul_ps(_mm256_loadu_ps(x + c + 8), s);
+            for (int r = 0; r < R; r++) {
+                __m256 lo, hi;
+                e4m3x16(w + (size_t)r * I + c, &lo, &hi);
+                a[r] = _mm256_fmadd_ps(hi, x1, _mm256_fmadd_ps(lo, x0, a[r]));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum8(a[r]);
+}
+#endif
+
+#if defined(__AVX512F__) || defined(DSF_AVX2)
+#ifdef __AVX512F__
+#define FP8_LANES 32 /* columns one step of fp8_rows1 reads: the vector loops need B a multiple of it */
+#else
+#define FP8_LANES 16
+#endif
+#define FP8_VECTOR 1
 /* rows [o, o + 8) (fewer at r1) of an FP8 matrix against x into yo[0..8), as fp8_gemv1 computes them */
 static inline void fp8_group(const uint8_t *w, const float *scale, int I, int B, int o, int r1, const float *x,
                              float *yo) {
@@ -128,8 +193,8 @@ static void fp8_gemv1(const uint8_t *w, const float *scale, int O, int I, int B,
 void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int nx, float *y, int r0,
               int r1) {
     const int nbc = (I + B - 1) / B;
-#ifdef __AVX512F__
-    if (nx == 1 && B % 32 == 0 && I % B == 0) {
+#ifdef FP8_VECTOR
+    if (nx == 1 && B % FP8_LANES == 0 && I % B == 0) {
         fp8_gemv1(w, scale, O, I, B, x, y, r0, r1);
         return;
     }
@@ -142,8 +207,8 @@ void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const f
             int two = nx - k0 > 1;
             const float *x0 = x + (size_t)k0 * I, *x1 = x0 + (two ? I : 0);
             float acc0 = 0, acc1 = 0;
-#ifdef __AVX512F__
-            if (B % 32 == 0 && I % B == 0) {
+#ifdef FP8_VECTOR
+            if (B % FP8_LANES == 0 && I % B == 0) {
                 fp8_row(row, sr, I, B, x0, x1, two, &acc0, &acc1);
             } else
 #endif
@@ -165,8 +230,8 @@ void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const f
  * fp8_gemv(..., g * per, (g + 1) * per) would, so each equals that call bit for bit. */
 void fp8_gemv_grouped(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int per, float *y) {
     const int groups = O / per;
-#ifdef __AVX512F__
-    if (B % 32 == 0 && I % B == 0) {
+#ifdef FP8_VECTOR
+    if (B % FP8_LANES == 0 && I % B == 0) {
         const int units = (per + FP8_ROWS - 1) / FP8_ROWS;
 #pragma omp parallel for schedule(static) if ((size_t)O * I > PARALLEL_ELEMENTS)
         for (int u = 0; u < groups * units; u++) {
@@ -186,8 +251,8 @@ void fp8_gemv_grouped(const uint8_t *w, const float *scale, int O, int I, int B,
  * Returns 0 where the shapes do not fit the vector loops (the caller multiplies one matrix at a time). */
 int fp8_ffn_decode(const uint8_t *w1, const float *s1, const uint8_t *w3, const float *s3, const uint8_t *w2,
                    const float *s2, int F, int D, int B, const float *x, float limit, float *h, float *y) {
-#ifdef __AVX512F__
-    if (B % 32 || D % B || F % B) return 0;
+#ifdef FP8_VECTOR
+    if (B % FP8_LANES || D % B || F % B) return 0;
     const int g13 = (F + FP8_ROWS - 1) / FP8_ROWS, g2 = (D + FP8_ROWS - 1) / FP8_ROWS;
 #pragma omp parallel if ((size_t)F * D > PARALLEL_ELEMENTS)
     {
@@ -247,10 +312,35 @@ static inline __attribute__((always_inline)) void bf16_rows1(const uint16_t *w, 
         y[r] = acc;
     }
 }
+#elif defined(DSF_AVX2)
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* bf16_rows1 eight lanes at a time, two accumulators a row */
+static inline __attribute__((always_inline)) void bf16_rows1(const uint16_t *w, int I, const float *x, float *y,
+                                                             const int R) {
+    __m256 a0[4], a1[4];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 16 <= I; c += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + c), x1 = _mm256_loadu_ps(x + c + 8);
+        for (int r = 0; r < R; r++) {
+            if ((c & 31) == 0) _mm_prefetch((const char *)(w + (size_t)(R + r) * I + c), _MM_HINT_T0);
+            a0[r] = _mm256_fmadd_ps(bf16x8(w + (size_t)r * I + c), x0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(bf16x8(w + (size_t)r * I + c + 8), x1, a1[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float acc = hsum8(_mm256_add_ps(a0[r], a1[r]));
+        for (int k = c; k < I; k++) acc += bf16_scalar(w[(size_t)r * I + k]) * x[k];
+        y[r] = acc;
+    }
+}
 #endif
 
 void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y, int r0, int r1) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(DSF_AVX2)
     if (nx == 1) {
         const int groups = (r1 - r0 + 3) / 4;
 #pragma omp parallel for schedule(static) if ((size_t)(r1 - r0) * I > PARALLEL_ELEMENTS)
@@ -288,6 +378,15 @@ void bf16_gemv(const uint16_t *w, int O, int I, const float *x, int nx, float *y
             }
             acc0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
             acc1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
+#elif defined(DSF_AVX2)
+            __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+            for (; c + 8 <= I; c += 8) {
+                const __m256 v = bf16x8(row + c);
+                a = _mm256_fmadd_ps(v, _mm256_loadu_ps(x0 + c), a);
+                if (kn > 1) b = _mm256_fmadd_ps(v, _mm256_loadu_ps(x1 + c), b);
+            }
+            acc0 = hsum8(a);
+            acc1 = hsum8(b);
 #endif
             for (; c < I; c++) {
                 float v = bf16_scalar(row[c]);
@@ -328,6 +427,24 @@ static void expand_row(const uint8_t *row, const float *sr, int I, int B, void *
                 } else {
                     _mm512_storeu_ps(f32 + c, lo);
                     _mm512_storeu_ps(f32 + c + 16, hi);
+                }
+            }
+        }
+    }
+#elif defined(DSF_AVX2)
+    if (B % 16 == 0 && I % B == 0) {
+        for (int j = 0; c < I; j++) {
+            const __m256 s = _mm256_set1_ps(sr[j]);
+            for (int end = c + B; c < end; c += 16) {
+                __m256 lo, hi;
+                e4m3x16(row + c, &lo, &hi);
+                lo = _mm256_mul_ps(lo, s);
+                hi = _mm256_mul_ps(hi, s);
+                if (bf16) {
+                    store_bf16x16(h16 + c, lo, hi);
+                } else {
+                    _mm256_storeu_ps(f32 + c, lo);
+                    _mm256_storeu_ps(f32 + c + 8, hi);
                 }
             }
         }
@@ -405,6 +522,15 @@ void top_indices(const float *x, int64_t n, int k, int64_t *idx) {
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16) {
         __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(hv[0]), _CMP_GT_OQ);
+        while (hit) {
+            const int b = __builtin_ctz(hit);
+            hit &= hit - 1;
+            if (x[i + b] > hv[0]) heap_push(hv, idx, &size, k, x[i + b], i + b);
+        }
+    }
+#elif defined(DSF_AVX2)
+    for (; i + 8 <= n; i += 8) {
+        unsigned hit = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(hv[0]), _CMP_GT_OQ));
         while (hit) {
             const int b = __builtin_ctz(hit);
             hit &= hit - 1;
