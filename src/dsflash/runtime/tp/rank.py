@@ -19,6 +19,8 @@ from dsflash.runtime.cpu import fused, native
 from dsflash.runtime.cpu.dense import pack_dense
 from dsflash.runtime.experts.cached import CachedExperts
 from dsflash.runtime.experts.device import CpuDevice, Device
+from dsflash.runtime.prefix.identity import snapshot_identity
+from dsflash.runtime.prefix.shelf import Shelf
 from dsflash.runtime.spec import DEFAULT_SLOTS, EngineSpec
 from dsflash.runtime.tp.torchrun import local_rank, local_world
 from dsflash.store.reader import open_store
@@ -78,7 +80,7 @@ class RankRuntime:
         self.model_dir, self.max_len, self.spec, self.tp, self.token_map = model_dir, max_len, spec, tp, token_map
         self.slot_device = device  # None: the rank's own (CpuDevice or CudaDevice)
         self.device = rank_device(spec.device, tp.rank)
-        self.model = self.state = self.experts = self.graph = self.routing_log = None
+        self.model = self.state = self.experts = self.graph = self.routing_log = self.shelf = None
         self.dense_bytes = 0
         self._ckpt = None
 
@@ -129,6 +131,9 @@ class RankRuntime:
         device = self.slot_device or CpuDevice(self.matmul, spec.slot_fill)
         self.routing_log = _routing_log(spec, tp, cfg)
         self.state = self.model.new_state(self.max_len, device=self.device)  # before the slots take what is left
+        if spec.prefix_cache:
+            self.shelf = Shelf(self.state, snapshot_identity(self.model_dir, spec), tp.rank, tp.size,
+                               spec.prefix_cache_dir)  # fmt: skip
         # every rank gets the same count: the smallest budget decides (ranks of a host share its memory)
         budget = tp.agree_min(device.slot_budget() // _ranks_sharing(self.device, tp))
         total = sum(s.n_experts for s in cfg.layers())
