@@ -193,8 +193,11 @@ class Engine:
         while pos < len(prompt):
             if handle.cancelled:
                 return None
-            end = min(len(prompt), pos + self.prefill_chunk)
-            if self.prefix is not None:  # passes end on the cache's block boundaries, where snapshots are taken
+            # passes end on multiples of the chunk, as a prefill from 0 does: after a restore the passes line up
+            # with a plain prefill's again (the products' rounding depends on their shapes), and on the cache's
+            # block boundaries, where snapshots are taken
+            end = min(len(prompt), (pos // self.prefill_chunk + 1) * self.prefill_chunk)
+            if self.prefix is not None:
                 end = min(end, (pos // self.prefix.block + 1) * self.prefix.block)
             logits = self.runner.forward(prompt[pos:end], pos, prompt_logprobs is not None)
             if lps is not None:

@@ -3,8 +3,10 @@
 Rank 0 lives in the serving process and owns the request loop. Ranks 1..N-1 are spawned processes, or, under
 torchrun (any number of hosts), the other processes torchrun started: every `dsflash` command there becomes a
 follower that takes the engine options from rank 0. Followers loop on a broadcast step header: forward / reset /
-stop, and snapshot / restore / drop of the decode state by a key (each rank keeps its own shard's snapshots). A rank that dies breaks the next collective on rank 0, which then fails with EngineDead naming it: never a
-hang (under torchrun, its agent also ends the others when one fails).
+stop, and snapshot / restore / drop of the decode state by a key (each rank keeps its own shard's snapshots; a
+small all-reduce sums their bytes, or agrees that every rank could load its part). A rank that dies breaks the
+next collective on rank 0, which then fails with EngineDead naming it: never a hang (under torchrun, its agent
+also ends the others when one fails).
 
 Step messages and start-up travel over a gloo group (host tensors and objects); the model's collectives over NCCL
 when every rank has a GPU of its own, else over the same gloo group (runtime.tp.rank.rank_device, model.parallel.TP).
@@ -360,4 +362,3 @@ class TPRunner:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-
