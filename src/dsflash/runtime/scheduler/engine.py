@@ -212,8 +212,11 @@ class Engine:
         if self.prefix is None:
             return 0
         salt = salt_digest(req.cache_salt)
-        entry = self.prefix.lookup(salt, req.prompt)
-        return self.prefix.restore(entry) if entry is not None else 0
+        while (entry := self.prefix.lookup(salt, req.prompt)) is not None:
+            restored = self.prefix.restore(entry)  # 0: a bad file, now forgotten: the next deepest is tried
+            if restored:
+                return restored
+        return 0
 
     def _save(self, req: GenerationRequest, tokens) -> None:
         if self.prefix is not None:
