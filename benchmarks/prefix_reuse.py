@@ -48,7 +48,7 @@ def measure(model_dir: Path, P: int, N: int, repeat: int) -> dict:
         rng = random.Random(0)
         vocab = files.ckpt.config.vocab_size
         out = {"reuse": [], "alone": [], "none": [], "snapshot_mb": runner.snapshot_bytes(P) / 1e6}
-        for r in range(repeat):
+        for _ in range(repeat):
             conv = [rng.randrange(3, min(vocab, 100_000)) for _ in range(P)]
             new = [rng.randrange(3, min(vocab, 100_000)) for _ in range(N)]
             ttft(reuse, conv)  # the first turn: its prompt-end snapshot is what the second restores
