@@ -37,3 +37,11 @@ def test_a_small_cap_evicts_and_resident_memory_stays_within_it(reference):  # n
     assert grown <= CAP + 8_000_000, f"resident memory grew {grown / 1e6:.1f} MB under a {CAP / 1e6:.0f} MB cap"
     # the newest prefixes are the ones kept
     assert sorted(e.tokens[0] for e in cache.entries.values()) == list(range(61 - CAP // per, 61))
+
+
+def test_cpu_slots_leave_the_prefix_cache_its_memory():
+    from dsflash.runtime.spec import EngineSpec
+    from dsflash.runtime.tp.rank import prefix_reserve
+
+    assert prefix_reserve(EngineSpec(tp=2, prefix_cache_gb=2.0)) == 2_000_000_000  # both ranks on this host
+    assert prefix_reserve(EngineSpec(prefix_cache=False, prefix_cache_gb=2.0)) == 0

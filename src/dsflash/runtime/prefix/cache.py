@@ -150,13 +150,14 @@ class PrefixCache:
         self._room_on_disk(0)
 
     # ---- budgets ------------------------------------------------------------------------------------------------
+    # tuple(): /metrics reads these from an HTTP thread while the engine thread changes the index
     @property
     def memory_bytes(self) -> int:
-        return sum(e.memory for e in self.entries.values())
+        return sum(e.memory for e in tuple(self.entries.values()))
 
     @property
     def disk_bytes(self) -> int:
-        return sum(e.disk for e in self.entries.values())
+        return sum(e.disk for e in tuple(self.entries.values()))
 
     def _room_in_memory(self, need: int) -> bool:
         """Evict least-recently-used snapshots from memory until `need` more bytes fit under the cap."""
@@ -246,7 +247,7 @@ class PrefixCache:
 
     def stats(self) -> dict[str, float]:
         """The counters and sizes by service.api.PREFIX_METRICS's names."""
-        return {
+        return {  # service.api.PREFIX_METRICS
             "prefix_cache_lookups_total": self.counts["lookups"],
             "prefix_cache_hit_tokens_total": self.counts["hit_tokens"],
             "prefix_cache_evictions_total": self.counts["evictions"],

@@ -21,7 +21,7 @@ from dsflash.runtime.experts.cached import CachedExperts
 from dsflash.runtime.experts.device import CpuDevice, Device
 from dsflash.runtime.prefix.identity import snapshot_identity
 from dsflash.runtime.prefix.shelf import Shelf
-from dsflash.runtime.spec import DEFAULT_SLOTS, EngineSpec
+from dsflash.runtime.spec import DEFAULT_SLOTS, EngineSpec, default_prefix_gb
 from dsflash.runtime.tp.torchrun import local_rank, local_world
 from dsflash.store.reader import open_store
 
@@ -134,8 +134,10 @@ class RankRuntime:
         if spec.prefix_cache:
             self.shelf = Shelf(self.state, snapshot_identity(self.model_dir, spec), tp.rank, tp.size,
                                spec.prefix_cache_dir)  # fmt: skip
-        # every rank gets the same count: the smallest budget decides (ranks of a host share its memory)
-        budget = tp.agree_min(device.slot_budget() // _ranks_sharing(self.device, tp))
+        # every rank gets the same count: the smallest budget decides (ranks of a host share its memory). CPU slots
+        # leave the prefix cache its host memory: snapshots grow into it after the slots are placed
+        reserve = prefix_reserve(spec) if self.device.type == "cpu" else 0
+        budget = tp.agree_min(max(0, device.slot_budget() - reserve) // _ranks_sharing(self.device, tp))
         total = sum(s.n_experts for s in cfg.layers())
         n_slots = slot_count(spec.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
@@ -189,6 +191,14 @@ class RankRuntime:
             self.experts.close()
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+def prefix_reserve(spec: EngineSpec) -> int:
+    """Host bytes the prefix cache may take on this host (every rank's snapshots; one host's share under torchrun)."""
+    if not spec.prefix_cache:
+        return 0
+    gb = spec.prefix_cache_gb if spec.prefix_cache_gb is not None else default_prefix_gb()
+    return int(gb * 1e9) * local_world(spec.tp) // spec.tp
 
 
 def to_device(model: torch.nn.Module, device: torch.device) -> None:
