@@ -64,13 +64,13 @@ def reference(files):
     return load_reference(files.ckpt, files.token_map, dspark=False, qat=False)
 
 
-def completion_turns(engine: Engine, rec: Recording, seed: int = 0):
+def completion_turns(engine: Engine, rec: Recording, seed: int = 0, gen: int = GEN):
     """Each turn resends the conversation (prompt + the tokens generated) with new tokens appended."""
     rng, conv, out = random.Random(seed), [0], []
     for turn in range(TURNS):
         conv += [rng.randrange(3, 1000) for _ in range(90 if turn == 0 else 30)]
         rec.rows = {}
-        p = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+        p = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
         events = list(engine.submit(GenerationRequest(tuple(conv), p, cache_salt="s")))
         tokens = [e.token for e in events if e.token is not None]
         out.append((tokens, events[0].stats.cached_tokens, rec.rows))
@@ -78,11 +78,11 @@ def completion_turns(engine: Engine, rec: Recording, seed: int = 0):
     return out
 
 
-def chat_turns(engine: Engine, rec: Recording, files, tools):
+def chat_turns(engine: Engine, rec: Recording, files, tools, new: int = GEN):
     """A chat: each turn the reply goes back as the assistant message and a new user message follows."""
     gen = Generator(engine, files.tokenizer, engine.runner.max_len, files.ckpt.config.model_type)
     msgs, out = [{"role": "system", "content": "You are terse. " * 8}], []
-    opts = GenerationOptions(temperature=0, max_tokens=GEN, ignore_eos=True)
+    opts = GenerationOptions(temperature=0, max_tokens=new, ignore_eos=True)
     for turn in range(TURNS):
         msgs.append({"role": "user", "content": f"question {turn}: what follows {turn * 7}?"})
         rec.rows = {}
@@ -128,7 +128,7 @@ def test_reference_reuse_is_exact(files, reference, kind):
     def talk(engine, rec):
         if kind == "completion":
             return completion_turns(engine, rec)
-        return chat_turns(engine, rec, files, TOOLS if kind == "chat-tools" else None)
+        return chat_turns(engine, rec, files, TOOLS if kind == "chat-tools" else None, new=4)
 
     runner = ModelRunner(reference, max_len=1024)
     plain = run_with(runner, None, talk)
@@ -195,7 +195,7 @@ def test_engine_reuse_is_exact_from_memory_and_from_disk(files, tmp_path, tp):
     try:
 
         def talk(engine, rec):
-            out = completion_turns(engine, rec)
+            out = completion_turns(engine, rec, gen=GEN if tp == 1 else 4)
             if tp == 1:  # (TP 2's decode steps cost three times TP 1's on two cores: completions only there)
                 out += chat_turns(engine, rec, files, None)
             return out
