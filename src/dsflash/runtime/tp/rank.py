@@ -135,9 +135,11 @@ class RankRuntime:
             self.shelf = Shelf(self.state, snapshot_identity(self.model_dir, spec), tp.rank, tp.size,
                                spec.prefix_cache_dir)  # fmt: skip
         # every rank gets the same count: the smallest budget decides (ranks of a host share its memory). CPU slots
-        # leave the prefix cache its host memory: snapshots grow into it after the slots are placed
-        reserve = prefix_reserve(spec) if self.device.type == "cpu" else 0
-        budget = tp.agree_min(max(0, device.slot_budget() - reserve) // _ranks_sharing(self.device, tp))
+        # leave the prefix cache its host memory (snapshots grow into it after the slots are placed), up to a
+        # quarter of theirs: on a host short of memory the slots come first and the cache's cap is only a cap
+        free = device.slot_budget()
+        reserve = min(prefix_reserve(spec), free // 4) if self.device.type == "cpu" else 0
+        budget = tp.agree_min((free - reserve) // _ranks_sharing(self.device, tp))
         total = sum(s.n_experts for s in cfg.layers())
         n_slots = slot_count(spec.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
