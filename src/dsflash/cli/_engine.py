@@ -78,8 +78,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: 
 def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-prefix-cache",
-        dest="prefix_cache",
-        action="store_false",
+        action="store_true",  # a store_true flag: serve --detach carries flags that are True (cli/_detach.py)
         help="prefill every prompt whole (by default a prompt that extends an earlier prompt or request restores "
         "that sequence's state and prefills only the rest: an agent's next turn costs its new tokens)",
     )
@@ -134,7 +133,9 @@ def engine_spec(args, **fields):
         given["prefill_chunk"] = args.prefill_chunk
     if getattr(args, "record_routing", None):
         given["record_routing"] = args.record_routing
-    for name in ("prefix_cache", "prefix_cache_gb", "prefix_cache_dir", "prefix_cache_disk_gb"):
+    if hasattr(args, "no_prefix_cache"):
+        given["prefix_cache"] = not args.no_prefix_cache
+    for name in ("prefix_cache_gb", "prefix_cache_dir", "prefix_cache_disk_gb"):
         if hasattr(args, name):
             given[name] = getattr(args, name)
     return EngineSpec(**given, **fields)
