@@ -89,7 +89,8 @@ def test_slots_fit_the_memory_left(wide, monkeypatch):
     store = build_store(files.ckpt, cache, tp=1, fmt="bfp4_b", progress=False)
     stride = store.geometry.stride
     monkeypatch.setattr(CpuDevice, "slot_budget", lambda self: 10 * stride + stride // 2)
-    spec = EngineSpec(expert_format="bfp4_b", cache_dir=cache, qat=False, threads=1)
+    # (prefix reuse off: its host memory would come out of this budget too, test_prefix_memory.py)
+    spec = EngineSpec(expert_format="bfp4_b", cache_dir=cache, qat=False, threads=1, prefix_cache=False)
     runner = start_engine(files.ckpt, files.token_map, 64, spec)
     try:
         assert runner.rank0.experts.pool.n_slots == 10  # not 4500, nor every expert of the model

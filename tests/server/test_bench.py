@@ -83,3 +83,17 @@ def test_recorded_routing_replays_in_the_simulator(served, tmp_path):
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert "| reference box" in p.stdout and "8 experts" in p.stderr
+
+
+def test_multi_turn_reports_ttft_by_turn(served, tmp_path):
+    srv, _ = served
+    out = tmp_path / "turns.json"
+    p = bench(srv, "--workload", "multi-turn", "--scale", "0.05", "--save-detailed", "--save-result", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    data = json.loads(out.read_text())
+    assert data["workload"] == "multi-turn" and data["turns"] == 4 and data["turn_len"] == 3
+    assert data["completed"] == 8 and data["turn_indices"] == [0, 1, 2, 3] * 2
+    assert len(data["mean_ttft_ms_by_turn"]) == 4 and all(t > 0 for t in data["mean_ttft_ms_by_turn"])
+    lens = data["input_lens"]  # each turn resends the conversation: its prompt grows by the reply + 3 tokens
+    assert all(lens[i + 1] > lens[i] for i in (0, 1, 2, 4, 5, 6)) and lens[4] < lens[3]
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -33,3 +33,18 @@ def test_the_chat_backend_picks_the_chat_path():
 def test_bad_options_fail_before_any_request(opts, message):
     with pytest.raises(BenchError, match=message.replace("[", r"\[").replace("]", r"\]")):
         make_plan(opts)
+
+
+def test_multi_turn_plan_and_turn_means():
+    from dsflash.bench.client import RequestOutput
+    from dsflash.bench.metrics import by_turn
+    from dsflash.bench.options import BenchOptions
+    from dsflash.bench.run import make_plan
+
+    plan = make_plan(BenchOptions(workload="multi-turn"))
+    assert (plan.input_len, plan.output_len, plan.num_prompts, plan.turns, plan.turn_len) == (4096, 64, 2, 4, 64)
+    assert plan.metadata["turns"] == 4 and plan.max_concurrency == 1
+    assert make_plan(BenchOptions(workload="multi-turn", scale=0.5, turns=3)).turn_len == 32
+    outs = [RequestOutput(success=True, ttft=t) for t in (2.0, 0.1, 0.3, 4.0, 0.2, 0.5)]
+    got = by_turn(outs, [0, 1, 2, 0, 1, 2])
+    assert got["mean_ttft_ms_by_turn"] == pytest.approx([3000, 150, 400])

@@ -46,12 +46,13 @@ NO_TORCH = {"text", "bench", "sim", "errors", "paths", "counters", "config", "__
 # kernels know nothing of experts, ranks or CUDA; only the TP wing assembles ranks from the others.
 WINGS = {
     "spec": {"tp", "cpu"},  # resolve() reads torchrun's environment and whether the CPU has AMX
-    "scheduler": set(),
+    "scheduler": {"prefix"},  # the engine restores and saves prefixes through the cache (no kernels)
     "cpu": set(),
     "experts": {"cpu"},
     "cuda": {"experts", "cpu"},
-    "reference": set(),
-    "tp": {"spec", "experts", "cpu", "cuda"},
+    "reference": {"prefix"},
+    "prefix": {"spec"},  # snapshots of the decode state: the policy (cache.py), a rank's holder, the files
+    "tp": {"spec", "experts", "cpu", "cuda", "prefix"},
     "__init__": set(),
 }
 GPU_ONLY = ("dsflash.runtime.cuda", "triton")  # imported at module level only by the CUDA wing

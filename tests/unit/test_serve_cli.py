@@ -13,7 +13,8 @@ EVERY_FLAG = [
     "--expert-slots", "99", "--expert-format", "bfp8_b", "--device", "cpu", "--backend", "reference",
     "--max-queue", "3", "--max-model-len", "777", "--prefill-chunk", "2048", "--cache-dir", "/tmp/c", "--rebuild",
     "--default-chat-template-kwargs", '{"thinking": true}', "--shutdown-grace", "7", "--record-routing", "/tmp/r.jsonl",
-    "--enforce-eager", "--max-tokens-default", "100", "--max-tokens-limit", "200",
+    "--enforce-eager", "--max-tokens-default", "100", "--max-tokens-limit", "200", "--no-prefix-cache",
+    "--prefix-cache-gb", "0.5", "--prefix-cache-dir", "/tmp/p", "--prefix-cache-disk-gb", "3",
 ]  # fmt: skip
 NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "run"}  # the key travels in the environment
 
@@ -46,3 +47,16 @@ def test_ps_stop_and_logs_read_the_registry_without_torch(tmp_path):
     )
     env = {**os.environ, "DSFLASH_STATE": str(tmp_path)}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0
+
+
+def test_prefix_cache_flags_reach_the_engine_spec():
+    from dsflash.cli._engine import engine_spec
+    from dsflash.cli.serve import boot_options
+
+    parser = build_parser()
+    spec = engine_spec(parser.parse_args(["serve", "--prefix-cache-gb", "0.5", "--prefix-cache-dir", "/tmp/p"]))
+    assert spec.prefix_cache and spec.prefix_cache_gb == 0.5 and spec.prefix_cache_dir == "/tmp/p"
+    assert not boot_options(parser.parse_args(["serve", "--no-prefix-cache"])).engine.prefix_cache
+    # a detached server keeps reuse on unless told otherwise
+    child = parser.parse_args(child_argv(parser.parse_args(["serve", "--detach"]))[3:])
+    assert engine_spec(child).prefix_cache

@@ -135,3 +135,15 @@ def test_simulate_cli_on_a_recorded_trace(tmp_path):
     assert "| LFU replacement |" in p.stdout
     data = json.loads((tmp_path / "o.json").read_text())
     assert len(data["what_if"]) >= 8 and data["box"]["slots"] == 4
+
+
+def test_prefix_reuse_makes_an_agent_turn_cost_its_new_tokens():
+    from dsflash.sim.box import REFERENCE, REFERENCE_LOCALITY, WORKLOADS, Policy
+    from dsflash.sim.run import Simulator
+
+    sim = Simulator(REFERENCE, REFERENCE_LOCALITY, prompts=1)
+    agent = WORKLOADS["agent"].scaled(0.125)  # 1024 tokens, 8 new ones a turn
+    cold, warm = sim.run(Policy(), agent), sim.run(Policy(prefix_reuse=True), agent)
+    assert warm.ttft < cold.ttft / 5
+    chat = WORKLOADS["chat"].scaled(0.25)  # one prompt, no earlier turn: nothing to reuse
+    assert sim.run(Policy(prefix_reuse=True), chat).ttft == sim.run(Policy(), chat).ttft

@@ -99,7 +99,9 @@ class Preset:
     output_len: int
     profile: str
     context: int
-    num_prompts: int = 3
+    num_prompts: int = 3  # requests; with turns > 1, conversations
+    turns: int = 1  # each later turn resends the conversation (prompt + reply) with turn_len new tokens
+    turn_len: int = 0
 
     def scaled(self, f: float) -> tuple[int, int]:
         """(input, output) lengths times f, at least 1 and 2 tokens (TPOT needs two)."""
@@ -112,4 +114,6 @@ PRESETS = {
     "codegen": Preset(1024, 1024, "default", 9216),
     "agent": Preset(8192, 512, "default", 9216),
     "long": Preset(32768, 256, "p300x2-32k", 33792),
+    # an agent's loop: the first turn's 4096-token context, then 64 new tokens a turn (what prefix reuse serves)
+    "multi-turn": Preset(4096, 64, "default", 9216, num_prompts=2, turns=4, turn_len=64),
 }

@@ -24,6 +24,17 @@ def output_lengths(outputs: list[RequestOutput], count: Callable[[str], int] | N
     return lens
 
 
+def by_turn(outputs: list[RequestOutput], turn_of: list[int]) -> dict:
+    """Multi-turn runs: each request's turn index and the mean TTFT of every turn index (ms; None where no
+    request of that turn succeeded)."""
+    turns = max(turn_of) + 1 if turn_of else 0
+    means = []
+    for t in range(turns):
+        ttfts = [o.ttft for o, k in zip(outputs, turn_of) if k == t and o.success]
+        means.append(sum(ttfts) / len(ttfts) * 1000 if ttfts else None)
+    return {"turn_indices": list(turn_of), "mean_ttft_ms_by_turn": means}
+
+
 def calculate(outputs: list[RequestOutput], duration: float, percentiles: list[float], count=None) -> dict:
     """The result dict with vLLM's key names; per-metric stats for every metric in METRICS."""
     lens = output_lengths(outputs, count)

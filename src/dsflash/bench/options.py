@@ -22,7 +22,9 @@ class BenchOptions:
     model: str | None = None  # None: the first of GET /v1/models
     tokenizer: str | None = None  # a directory with tokenizer.json (None: the bundled DeepSeek V4.1 tokenizer)
     dataset_name: str = "random"
-    workload: str | None = None  # chat | codegen | agent | long (datasets.PRESETS)
+    workload: str | None = None  # chat | codegen | agent | long | multi-turn (datasets.PRESETS)
+    turns: int | None = None  # multi-turn: turns per conversation (None: the preset's, else 1)
+    turn_len: int | None = None  # multi-turn: new prompt tokens each later turn appends (None: the preset's)
     scale: float = 1.0
     random_input_len: int | None = None  # None: 1024, or the workload's
     random_output_len: int | None = None  # None: 128, or the workload's

@@ -90,7 +90,14 @@ def plot(path: Path, result: dict, title: str) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (ax, hist) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]})
+    by_turn = result.get("mean_ttft_ms_by_turn")
+    panels = 3 if by_turn else 2
+    fig, axes = plt.subplots(
+        1, panels, figsize=(4 * panels + 4, 4.5), gridspec_kw={"width_ratios": [3] + [1] * (panels - 1)}
+    )
+    ax, hist = axes[0], axes[1]
+    if by_turn:
+        _plot_turns(axes[2], result)
     starts = result.get("start_times") or []
     t0 = min(starts) if starts else 0.0
     all_itl = []
@@ -125,3 +132,24 @@ def plot(path: Path, result: dict, title: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_turns(ax, result: dict) -> None:
+    """Multi-turn runs: every request's TTFT by its turn index, and each turn's mean."""
+    turns = result["turn_indices"]
+    ax.scatter(turns, [t * 1000 for t in result["ttfts"][: len(turns)]], s=14, color="C1", label="a request")
+    means = result["mean_ttft_ms_by_turn"]
+    ax.plot(
+        [i for i, m in enumerate(means) if m is not None],
+        [m for m in means if m is not None],
+        "k-o",
+        ms=4,
+        label="mean",
+    )
+    ax.set_xlabel("turn index")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_xticks(range(len(means)))
+    ax.set_yscale("log")
+    ax.set_title("TTFT by turn", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="upper right")

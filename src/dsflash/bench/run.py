@@ -33,6 +33,8 @@ class Plan:
     metadata: dict
     metrics: tuple[str, ...]  # the metrics with statistics
     percentiles: tuple[float, ...]
+    turns: int = 1  # > 1: num_prompts conversations of this many turns, one request at a time
+    turn_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -63,12 +65,15 @@ def run(opts: BenchOptions) -> int:
         body = client.payload(ep, r.prompt, r.expected_output_len, True, extra)
         return lambda: client.send(ep, body, r.prompt_len, rid)
 
-    _warm_up(opts, lambda: job(reqs[0]))
-    arrivals = client.arrival_times(len(reqs), opts.request_rate, opts.burstiness, opts.seed)
+    _warm_up(opts, lambda: job(replace(reqs[0], prompt="warm-up " + reqs[0].prompt)))  # shares no prefix
     experts0 = _experts(target)
     t0 = time.perf_counter()
-    jobs = [job(r, i) for r, i in zip(reqs, client.request_ids(len(reqs)))]
-    outputs = client.Dispatcher(plan.max_concurrency).run(jobs, arrivals)
+    if plan.turns > 1:
+        outputs, turn_of = _conversations(opts, plan, ep, extra, reqs, counter)
+    else:
+        arrivals = client.arrival_times(len(reqs), opts.request_rate, opts.burstiness, opts.seed)
+        jobs = [job(r, i) for r, i in zip(reqs, client.request_ids(len(reqs)))]
+        outputs, turn_of = client.Dispatcher(plan.max_concurrency).run(jobs, arrivals), None
     duration = time.perf_counter() - t0
     experts1 = _experts(target)
     failed = [o for o in outputs if not o.success]
@@ -77,6 +82,8 @@ def run(opts: BenchOptions) -> int:
     result = metrics.calculate(outputs, duration, list(plan.percentiles), lambda s: len(counter.encode(s)))
     if experts0 is not None and experts1 is not None:  # a dsflash server: what the timed requests streamed
         result["experts"] = (experts1 - experts0).to_json()
+    if turn_of is not None:
+        result.update(metrics.by_turn(outputs, turn_of))
     print(report.console(result, plan.max_concurrency, opts.request_rate, list(plan.metrics), list(plan.percentiles)))
     if opts.save_result is not None or opts.result_filename or opts.result_dir:
         _save(opts, plan, target, tokenizer_id, result)
@@ -89,10 +96,12 @@ def make_plan(opts: BenchOptions) -> Plan:
         raise BenchError("--scale must be positive")
     meta, profile = {}, None
     input_len, output_len, prompts, conc = 1024, 128, 1000, opts.max_concurrency
+    turns, turn_len = 1, 0
     if opts.workload:
         pre = PRESETS[opts.workload]
         input_len, output_len = pre.scaled(opts.scale)
         prompts, conc, profile = pre.num_prompts, conc or 1, pre.profile
+        turns, turn_len = pre.turns, max(1, round(pre.turn_len * opts.scale)) if pre.turn_len else 0
         meta = {"workload": opts.workload, "profile": pre.profile, "scale": opts.scale}
     elif opts.scale != 1.0:
         meta = {"scale": opts.scale}
@@ -104,6 +113,12 @@ def make_plan(opts: BenchOptions) -> Plan:
         prompts = opts.num_prompts
     if prompts < 1:
         raise BenchError("--num-prompts must be at least 1")
+    turns = opts.turns if opts.turns is not None else turns
+    turn_len = opts.turn_len if opts.turn_len is not None else (turn_len or 64)
+    if turns < 1 or turn_len < 1:
+        raise BenchError("--turns and --turn-len must be at least 1")
+    if turns > 1:
+        meta = {**meta, "turns": turns, "turn_len": turn_len}
     if conc is not None and conc <= 0:
         raise BenchError("--max-concurrency must be greater than 0")
     path = ENDPOINTS.get(opts.endpoint, opts.endpoint)
@@ -116,7 +131,10 @@ def make_plan(opts: BenchOptions) -> Plan:
     if unknown := [m for m in chosen if m not in metrics.METRICS]:
         raise BenchError(f"--percentile-metrics: unknown {unknown} (known: {', '.join(metrics.METRICS)})")
     percentiles = tuple(float(p) for p in opts.metric_percentiles.split(","))
-    return Plan(input_len, output_len, prompts, conc, path, backend, profile, meta, chosen, percentiles)
+    if turns > 1 and backend != "openai":
+        raise BenchError("a multi-turn run resends the conversation as text: use the completions endpoint")
+    return Plan(input_len, output_len, prompts, conc, path, backend, profile, meta, chosen, percentiles, turns,
+                turn_len)  # fmt: skip
 
 
 def _target(opts: BenchOptions, plan: Plan) -> Target:
@@ -127,12 +145,32 @@ def _target(opts: BenchOptions, plan: Plan) -> Target:
         model, _, max_len = client.first_model(base, headers)
     else:
         model, max_len = opts.model, _served_len(base, headers, opts.model)
-    need = plan.input_len + plan.output_len
+    need = plan.input_len + plan.output_len + (plan.turns - 1) * (plan.turn_len + plan.output_len)
     if max_len and need > max_len:
         hint = f"; serve the {plan.profile} profile" if plan.profile else ""
         raise BenchError(f"prompt {plan.input_len} + output {plan.output_len} tokens exceed the server's "
                          f"{max_len}-token context{hint} (or pass --scale)")  # fmt: skip
     return Target(base, headers, model, max_len)
+
+
+def _conversations(opts: BenchOptions, plan: Plan, ep, extra: dict, reqs: list, counter: TokenCounter):
+    """Each conversation's turns in order, one request at a time: a turn's prompt is the previous prompt, its
+    reply and turn_len new random tokens (an agent resending its history). -> (outputs, turn index of each)."""
+    more = random_requests(counter, len(reqs) * (plan.turns - 1), plan.turn_len + 1, 1, seed=opts.seed + 1)
+    appended = iter(m.prompt for m in more)
+    outputs, turn_of, ids = [], [], iter(client.request_ids(len(reqs) * plan.turns))
+    for r in reqs:
+        prompt = r.prompt
+        for turn in range(plan.turns):
+            body = client.payload(ep, prompt, r.expected_output_len, True, extra)
+            out = client.send(ep, body, len(counter.encode(prompt)), next(ids))
+            outputs.append(out)
+            turn_of.append(turn)
+            if not out.success:
+                break
+            if turn + 1 < plan.turns:
+                prompt = prompt + out.generated_text + next(appended)
+    return outputs, turn_of
 
 
 def _tokenizer(directory: str | None):
@@ -253,6 +291,8 @@ def _save(opts: BenchOptions, plan: Plan, target: Target, tokenizer_id: str, res
     print(f"wrote {path}", file=sys.stderr)
     if not opts.no_plot and result["completed"]:
         title = f"{target.model} · {plan.input_len} → {plan.output_len} tokens · {target.base}{plan.path}"
+        if plan.turns > 1:
+            title += f" · {plan.turns} turns of +{plan.turn_len}"
         png = report.plot(path.with_suffix(".png"), result, title)
         print(f"wrote {png}", file=sys.stderr)
 

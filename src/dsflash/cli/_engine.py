@@ -7,14 +7,20 @@ import argparse
 import os
 
 from dsflash.paths import CACHE_DEFAULT
-from dsflash.runtime.spec import DEFAULT_SLOTS, DEVICES, EXPERT_FORMATS, EngineSpec  # no torch: the CLI stays light
+from dsflash.runtime.spec import (  # no torch: the CLI stays light
+    DEFAULT_SLOTS,
+    DEVICES,
+    EXPERT_FORMATS,
+    EngineSpec,
+    default_prefix_gb,
+)
 
 SPEC = EngineSpec()  # every default below is the spec's
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: bool = False) -> None:
     """--tp, --expert-slots, --expert-format, --device, --enforce-eager, --cache-dir, --rebuild; with serving also
-    --prefill-chunk and --record-routing. `prefix` starts each help text (e.g. "engine: ")."""
+    --prefill-chunk, --record-routing and the prefix cache's flags. `prefix` starts each help text (e.g. "engine: ")."""
     p.add_argument("--tp", type=int, default=SPEC.tp, help=f"{prefix}tensor-parallel degree")
     p.add_argument(
         "--expert-slots",
@@ -66,6 +72,39 @@ def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: 
         help="append the expert routing of every MoE call to FILE (JSON lines; engine backend) for "
         "`dsflash simulate --trace FILE`",
     )
+    add_prefix_arguments(p)
+
+
+def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-prefix-cache",
+        action="store_true",  # a store_true flag: serve --detach carries flags that are True (cli/_detach.py)
+        help="prefill every prompt whole (by default a prompt that extends an earlier prompt or request restores "
+        "that sequence's state and prefills only the rest: an agent's next turn costs its new tokens)",
+    )
+    p.add_argument(
+        "--prefix-cache-gb",
+        type=float,
+        default=SPEC.prefix_cache_gb,
+        metavar="GB",
+        help="host memory for prefix snapshots, every TP rank's together, evicted least-recently-used (default: an "
+        f"eighth of this host's memory, at most 8: {default_prefix_gb():g} here)",
+    )
+    p.add_argument(
+        "--prefix-cache-dir",
+        default=SPEC.prefix_cache_dir,
+        type=os.path.abspath,
+        metavar="DIR",
+        help="also write prefix snapshots to DIR (checked files, one per rank), so that a restarted server with the "
+        "same model, revision, TP degree and formats reuses them (default: memory only)",
+    )
+    p.add_argument(
+        "--prefix-cache-disk-gb",
+        type=float,
+        default=SPEC.prefix_cache_disk_gb,
+        metavar="GB",
+        help="the most bytes of snapshot files in --prefix-cache-dir, evicted least-recently-used",
+    )
 
 
 def add_expert_format_argument(p: argparse.ArgumentParser, prefix: str = "", flag: str = "--expert-format") -> None:
@@ -94,4 +133,9 @@ def engine_spec(args, **fields):
         given["prefill_chunk"] = args.prefill_chunk
     if getattr(args, "record_routing", None):
         given["record_routing"] = args.record_routing
+    if hasattr(args, "no_prefix_cache"):
+        given["prefix_cache"] = not args.no_prefix_cache
+    for name in ("prefix_cache_gb", "prefix_cache_dir", "prefix_cache_disk_gb"):
+        if hasattr(args, name):
+            given[name] = getattr(args, name)
     return EngineSpec(**given, **fields)

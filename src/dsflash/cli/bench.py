@@ -36,9 +36,15 @@ def add_parser(sub) -> None:
         "DeepSeek V4.1 tokenizer)",
     )
     p.add_argument("--dataset-name", choices=["random"], default=d.dataset_name, help="the prompt dataset")
-    p.add_argument("--workload", choices=["chat", "codegen", "agent", "long"], default=None,
+    p.add_argument("--workload", choices=["chat", "codegen", "agent", "long", "multi-turn"], default=None,
                    help="the reference box's workloads: sets input/output lengths (128/256, 1024/1024, 8192/512, "
-                   "32768/256), --max-concurrency 1 and 3 prompts unless given")  # fmt: skip
+                   "32768/256), --max-concurrency 1 and 3 prompts unless given; multi-turn: 2 conversations of 4 "
+                   "turns, 4096 tokens then +64 a turn, each resending the conversation (TTFT by turn in the JSON "
+                   "and the PNG)")  # fmt: skip
+    p.add_argument("--turns", type=int, default=None,
+                   help="turns per conversation: each later turn resends prompt + reply + --turn-len new tokens "
+                   "(default: the workload's, else 1)")  # fmt: skip
+    p.add_argument("--turn-len", type=int, default=None, help="new prompt tokens each later turn appends (default 64)")
     p.add_argument("--scale", type=float, default=d.scale, help="multiply the lengths by this (small machines)")
     p.add_argument("--random-input-len", "--input-len", type=int, default=None, help="prompt tokens (default 1024)")
     p.add_argument("--random-output-len", "--output-len", type=int, default=None,

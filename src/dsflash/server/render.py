@@ -30,7 +30,7 @@ def usage_json(u: Usage) -> dict:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
     }
 

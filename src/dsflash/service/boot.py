@@ -123,15 +123,18 @@ class ReferenceBackend:
         from dsflash.runtime.spec import resolve
 
         torch.set_num_threads(resolve(self.spec, files.ckpt.config).threads)
+        self.path = files.ckpt.path
         # DSpark (speculative decoding) is off in serving: it loses when experts are the bottleneck (seed.md)
         self.loaded = load_reference(files.ckpt, files.token_map, dspark=False)
         params = sum(p.numel() for p in self.loaded.model.parameters())
         return f"{params / 1e6:,.1f} M dense parameters on the CPU (fp32), {torch.get_num_threads()} thread(s)"
 
     def allocate(self, max_len: int) -> str:
+        from dsflash.runtime.prefix.identity import snapshot_identity
         from dsflash.runtime.reference.runner import ModelRunner
 
-        self._runner = ModelRunner(self.loaded, max_len)
+        identity = snapshot_identity(self.path, self.spec, backend="reference")
+        self._runner = ModelRunner(self.loaded, max_len, identity, self.spec.prefix_cache_dir)
         return f"decode state for {max_len:,} tokens; no expert slots (experts resident)"
 
     def runner(self):
@@ -254,6 +257,7 @@ def _allocate(ctx: _Ctx) -> str:
 
 
 def _warm(ctx: _Ctx) -> str:
+    from dsflash.runtime.prefix.cache import prefix_cache
     from dsflash.runtime.scheduler.engine import Engine
 
     runner = ctx.backend.runner()
@@ -265,9 +269,17 @@ def _warm(ctx: _Ctx) -> str:
     runner.reset()
     step = time.perf_counter() - t0
     chunk = ctx.opts.engine.prefill_chunk
-    ctx.engine = Engine(runner, tok.eos_ids, max_queue=ctx.opts.max_queue, prefill_chunk=chunk)
+    prefix = prefix_cache(runner, ctx.opts.engine)
+    ctx.engine = Engine(runner, tok.eos_ids, max_queue=ctx.opts.max_queue, prefill_chunk=chunk, prefix=prefix)
     ctx.engine.start()
-    return f"prefill + one decode step in {step * 1000:.0f} ms; engine thread started"
+    return f"prefill + one decode step in {step * 1000:.0f} ms; engine thread started; {_prefix_line(prefix)}"
+
+
+def _prefix_line(prefix) -> str:
+    if prefix is None:
+        return "prefix reuse off"
+    disk = f", {len(prefix.entries)} snapshot(s) found in {prefix.directory}" if prefix.directory else ""
+    return f"prefix reuse on ({prefix.memory_cap / 1e9:.1f} GB of memory{disk})"
 
 
 # the boot pipeline; a backend that needs more phases (e.g. a packer self-check) adds rows here

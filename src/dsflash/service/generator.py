@@ -82,7 +82,8 @@ class Generator:
 
     def prefix_stats(self) -> dict[str, float]:
         """The prefix cache's counters and sizes now; the keys are api.PREFIX_METRICS."""
-        return dict.fromkeys(PREFIX_METRICS, 0)
+        cache = getattr(self.engine, "prefix", None)
+        return cache.stats() if cache is not None else dict.fromkeys(PREFIX_METRICS, 0)
 
     # ---- prompts ------------------------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatRequest) -> list[int]:
@@ -112,13 +113,13 @@ class Generator:
         thinking = bool(ids) and ids[-1] == self.tokenizer.think_open_id  # the output starts inside reasoning
         tools = bool(req.tools) and req.tool_choice != "none"
         pipe = _Pipeline(self.tokenizer, req.options, reasoning=thinking, tools=tools)
-        return self._submit(ids, req.options, pipe, req.request_id, t0, param="messages")
+        return self._submit(ids, req.options, pipe, req.request_id, t0, param="messages", salt=req.cache_salt)
 
     def open_completion(self, req: CompletionRequest) -> Stream:
         t0 = self.clock()
         ids = self.text_prompt(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         pipe = _Pipeline(self.tokenizer, req.options, echo=req.echo)
-        return self._submit(ids, req.options, pipe, req.request_id, t0, param="prompt")
+        return self._submit(ids, req.options, pipe, req.request_id, t0, param="prompt", salt=req.cache_salt)
 
     def _max_tokens(self, asked: int | None, n: int) -> int:
         """What a request with an n-token prompt may generate: the server's default where it names none (never
@@ -136,7 +137,8 @@ class Generator:
     def stream(self, req: ChatRequest | CompletionRequest) -> Iterator[Delta]:
         return iter(self.open_chat(req) if isinstance(req, ChatRequest) else self.open_completion(req))
 
-    def _submit(self, ids, opts: GenerationOptions, pipe: _Pipeline, request_id, t0: float, param: str) -> Stream:
+    def _submit(self, ids, opts: GenerationOptions, pipe: _Pipeline, request_id, t0: float, param: str,
+                salt: str | None = None) -> Stream:  # fmt: skip
         n = len(ids)
         if n >= self.max_len:
             raise ContextTooLong(f"the prompt is {n} tokens; this model's context is {self.max_len} tokens", param)
@@ -160,7 +162,7 @@ class Generator:
             logprobs=opts.logprobs,
             prompt_logprobs=prompt_lp,
         )
-        request = GenerationRequest(tuple(ids), params)
+        request = GenerationRequest(tuple(ids), params, cache_salt=salt)
         if request_id is not None:
             request = replace(request, request_id=request_id)
         handle = self.engine.submit(request)
@@ -233,6 +235,8 @@ class Stream:
     def _read_counters(self, stats: StepStats | None) -> None:
         if stats is not None:
             self.stats.experts = stats.experts - stats.experts_start
+            if stats.ttft_s is not None:  # the first event's: how much of the prompt a snapshot held
+                self.stats.cached_tokens = stats.cached_tokens
 
 
 class _Pipeline:

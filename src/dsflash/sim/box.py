@@ -39,6 +39,11 @@ class Box:
     long_ctx_cost: float = 15e-6  # fitted: seconds per step per context token beyond `long_ctx_from` (32k profile)
     long_ctx_from: int = 9216  # published: the default profile's context; the 32k profile pays beyond it
     prefetch_accuracy: float = 0.8  # guess: share of the next layer's experts a pre-gating predictor names correctly
+    # derived: a V4.1-Flash decode state's bytes per token (fp32 KV-source latents + index keys, Engram history;
+    # docs/serving.md) and its fixed part (window rings, pending groups), on each of the TP ranks
+    state_bytes_per_token: float = 6408.0
+    state_fixed_bytes: float = 11.3 * MB
+    snapshot_bw: float = 8 * GB  # guess: host memcpy of a snapshot back into the decode state
 
     @property
     def shard_bytes(self) -> float:
@@ -73,6 +78,7 @@ class Policy:
     overlap: bool = False  # copies run while the device computes (otherwise they serialize with compute)
     prefetch: bool = False  # the next layer's predicted experts are copied during this layer (needs overlap)
     expert_major: bool = True  # a prefill chunk loads each touched expert once (off: token by token)
+    prefix_reuse: bool = False  # a turn that extends an earlier one restores its snapshot, prefills only the rest
     name: str = ""
 
     def label(self) -> str:
@@ -84,6 +90,8 @@ class Policy:
             parts.append("overlap")
         if self.prefetch:
             parts.append("prefetch")
+        if self.prefix_reuse:
+            parts.append("prefix reuse")
         if not self.expert_major:
             parts.append("token-major prefill")
         return ", ".join(parts)
@@ -99,16 +107,18 @@ class Workload:
     output_len: int
     profile: str
     context: int
+    turn_len: int = 0  # > 0: the prompt is an earlier turn's conversation plus this many new tokens (an agent's loop)
 
     def scaled(self, f: float) -> Workload:
-        return replace(self, input_len=max(1, round(self.input_len * f)), output_len=max(2, round(self.output_len * f)))
+        return replace(self, input_len=max(1, round(self.input_len * f)), output_len=max(2, round(self.output_len * f)),
+                       turn_len=max(1, round(self.turn_len * f)) if self.turn_len else 0)  # fmt: skip
 
 
 # the reference box's four `vllm bench serve` workloads (seed.md) and the serving profile each needs
 WORKLOADS = {
     "chat": Workload("chat", 128, 256, "default", 9216),
     "codegen": Workload("codegen", 1024, 1024, "default", 9216),
-    "agent": Workload("agent", 8192, 512, "default", 9216),
+    "agent": Workload("agent", 8192, 512, "default", 9216, turn_len=64),
     "long": Workload("long", 32768, 256, "p300x2-32k", 33792),
 }
 

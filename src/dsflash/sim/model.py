@@ -42,9 +42,13 @@ class Machine:
         self.page = dict.fromkeys(int(k) for k in self.hot_order[: self.box.page_cache_experts][::-1])
         self._rng = np.random.default_rng(self.seed + 7919)
 
-    def run(self, trace: RequestTrace) -> RequestResult:
+    def run(self, trace: RequestTrace, cached: int = 0) -> RequestResult:
+        """One request; `cached` prompt tokens come from a prefix snapshot (copied back at snapshot_bw)."""
+        b = self.box
         res = RequestResult(0.0, [])
-        for step in trace.steps(self.box.prefill_chunk, self.policy.expert_major):
+        if cached:
+            res.ttft += b.chips * (b.state_fixed_bytes + cached * b.state_bytes_per_token) / b.snapshot_bw
+        for step in trace.steps(self.box.prefill_chunk, self.policy.expert_major, start=cached):
             t = self._step(step, trace, res)
             if step.kind == "prefill":
                 res.ttft += t

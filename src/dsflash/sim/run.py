@@ -63,7 +63,11 @@ class Simulator:
         timed = reqs[1:] if len(reqs) > 1 else reqs
         if len(reqs) > 1:
             m.run(reqs[0])
-        results = [m.run(r) for r in timed]
+        # an agent's turn with reuse: all but its new tokens were consumed by the turn before (never by recorded
+        # requests: their prompts are what they were)
+        reuse = policy.prefix_reuse and wl is not None and wl.turn_len and self.recorded is None
+        cached = wl.input_len - wl.turn_len if reuse else 0
+        results = [m.run(r, cached) for r in timed]
         return _summarize(wl.name if wl else "recorded", policy.label(), results, self.layers * self.experts)
 
 

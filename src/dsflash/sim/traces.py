@@ -35,14 +35,15 @@ class RequestTrace:
     recorded: list[Step] | None = None
     weights: np.ndarray | None = None
 
-    def steps(self, chunk: int, expert_major: bool = True):
-        """Forward passes: prefill chunks (or one token at a time when not expert-major), then one per output token
-        but the first (it comes from the last prefill pass)."""
+    def steps(self, chunk: int, expert_major: bool = True, start: int = 0):
+        """Forward passes: prefill chunks from `start` (the tokens before it restored from a prefix snapshot; or one
+        token at a time when not expert-major), then one per output token but the first (it comes from the last
+        prefill pass)."""
         if self.recorded is not None:
             yield from self._recorded_steps(expert_major)
             return
         size = chunk if expert_major else 1
-        for p in range(0, self.prompt_len, size):
+        for p in range(start, self.prompt_len, size):
             n = min(size, self.prompt_len - p)
             yield Step("prefill", p, n, [self.ids[p : p + n, l].ravel() for l in range(self.ids.shape[1])])
         for i in range(1, self.output_len):

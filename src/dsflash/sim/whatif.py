@@ -35,6 +35,7 @@ LEVERS = [
     Lever("page-cache misses at NVMe sequential rate (12 GB/s)", box=FAST_COLD),
     Lever("host RAM holds the whole store (340 GB page cache)", box=BIG_RAM),
     Lever("32k profile without its extra per-step context cost", box={"long_ctx_cost": 0.0}),
+    Lever("prefix reuse: the agent's turn is its last 64 tokens on a restored snapshot", Policy(prefix_reuse=True)),
     Lever("overlap + prefetch + fast cold reads", Policy(overlap=True, prefetch=True), FAST_COLD),
     Lever(
         "device slot map + overlap + prefetch + fast cold reads",

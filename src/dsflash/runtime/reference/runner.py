@@ -5,15 +5,19 @@ from __future__ import annotations
 import torch
 
 from dsflash.counters import ExpertCounters
+from dsflash.runtime.prefix.shelf import Shelf, Taken, state_bytes
 from dsflash.runtime.reference.loader import LoadedModel
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, max_len: int):
+    def __init__(self, loaded: LoadedModel, max_len: int, identity: dict | None = None, snapshot_dir=None):
+        """identity: what its snapshot files must match (runtime/prefix/identity.py); snapshot_dir: also keep
+        snapshots on disk there."""
         self.model, self.experts = loaded.model, loaded.experts
         self.max_len = max_len
         self.vocab_size = loaded.cfg.vocab_size
         self.state = self.model.new_state(max_len)
+        self.shelf = Shelf(self.state, identity or {"backend": "reference"}, directory=snapshot_dir)
 
     def reset(self) -> None:
         self.state.reset()
@@ -23,3 +27,23 @@ class ModelRunner:
 
     def counters(self) -> ExpertCounters:
         return ExpertCounters()  # every expert is resident: nothing is looked up or streamed
+
+    # ---- prefix snapshots (runtime/prefix/cache.SnapshotRunner) ----
+    @property
+    def snapshot_identity(self) -> dict:
+        return self.shelf.identity
+
+    def snapshot_bytes(self, length: int) -> int:
+        return state_bytes(self.state, length)
+
+    def snapshot(self, key: int, keep: bool, write: bool, tokens, salt: str) -> Taken:
+        return self.shelf.take(key, keep, write, tokens, salt)
+
+    def restore(self, key: int, length: int, from_disk: bool, keep: bool) -> bool:
+        snap = self.shelf.load(key, length, from_disk)
+        if snap is not None:
+            self.shelf.apply(key, snap, length, keep)
+        return snap is not None
+
+    def drop(self, key: int, memory: bool, disk: bool) -> None:
+        self.shelf.drop(key, memory, disk)

@@ -1,4 +1,7 @@
-"""Engine: one sequence at a time on one thread; prefill in chunks, then decode steps; yields TokenEvents."""
+"""Engine: one sequence at a time on one thread; prefill in chunks, then decode steps; yields TokenEvents.
+
+With a prefix cache (runtime/prefix/cache.py) a prompt starts from the deepest snapshot of a prefix of it, and the
+engine snapshots at every cache block boundary of a prefill, at the prompt's end and at the request's end."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch
 
 from dsflash.counters import ExpertCounters
 from dsflash.errors import EngineDead, InvalidRequest, NotReady
+from dsflash.runtime.prefix.cache import salt_digest
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, RequestQueue, StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import Sampler, top_logprobs
 
@@ -35,14 +39,16 @@ class Runner(Protocol):
 class Engine:
     """submit(request) -> Handle. The engine thread owns the runner; nothing else touches it."""
 
-    def __init__(self, runner: Runner, eos_ids: set[int], max_queue: int = 64, prefill_chunk: int = 512):
+    def __init__(self, runner: Runner, eos_ids: set[int], max_queue: int = 64, prefill_chunk: int = 512, prefix=None):
+        """prefix: a runtime.prefix.cache.PrefixCache over this runner, or None (every prompt prefilled whole)."""
         self.runner, self.eos_ids = runner, set(eos_ids)
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.prefix = prefill_chunk, prefix
         self.queue = RequestQueue(max_queue)
         self.current: Handle | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "tokens": 0, "prompt_tokens": 0}
+        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "tokens": 0, "prompt_tokens": 0,
+                         "cached_tokens": 0}  # fmt: skip
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> Engine:
@@ -130,15 +136,24 @@ class Engine:
         if handle.cancelled:
             return self._finish(handle, TokenEvent(None, 0, finish_reason="cancelled"))
         handle.started.set()
-        sampler = Sampler(params)
         t0, experts_start = time.perf_counter(), self.runner.counters()
-        logits = self._prefill(handle, list(req.prompt), params.prompt_logprobs)
+        prompt = list(req.prompt)
+        logits = self._prefill(handle, prompt, params.prompt_logprobs)
         if logits is None:
             return self._finish(handle, TokenEvent(None, 0, finish_reason="cancelled"))
-        last, prompt_lp = logits
-        self.counters["prompt_tokens"] += len(req.prompt)
+        last, prompt_lp, cached = logits
+        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["cached_tokens"] += cached
         # experts_start lets the consumer turn the runner's cumulative counters into this request's share
-        stats = StepStats(experts_start, self.runner.counters(), ttft_s=time.perf_counter() - t0)
+        stats = StepStats(experts_start, self.runner.counters(), ttft_s=time.perf_counter() - t0, cached_tokens=cached)
+        fed: list[int] = []  # generated tokens the runner consumed (the last sampled one never is)
+        self._decode(handle, last, prompt_lp, stats, fed)
+        if fed:  # the state holds prompt + fed (not after a failure: a forward may have stopped half-way)
+            self._save(req, prompt + fed)
+
+    def _decode(self, handle: Handle, last, prompt_lp, stats: StepStats, fed: list[int]) -> None:
+        req, params = handle.request, handle.request.params
+        sampler, experts_start = Sampler(params), stats.experts_start
         pos = len(req.prompt)
         for index in range(params.max_tokens):
             s = sampler(last)
@@ -149,30 +164,63 @@ class Engine:
                 event.prompt_logprobs = prompt_lp
             self.counters["tokens"] += 1
             if done:
-                return self._finish(handle, event)
+                self._finish(handle, event)
+                if index == 0:
+                    self._save(req, req.prompt)
+                return
             handle.put(event)
+            if index == 0:  # after the first token went out: TTFT does not wait for the copy
+                self._save(req, req.prompt)
             if handle.cancelled:
                 return self._finish(handle, TokenEvent(None, index + 1, finish_reason="cancelled"))
             t = time.perf_counter()
             last = self.runner.forward([s.token], pos, False)[-1]
+            fed.append(s.token)
             pos += 1
             stats = StepStats(experts_start, self.runner.counters(), step_s=time.perf_counter() - t)
         # max_tokens == 0: only the prompt was scored (echo + logprobs)
         self._finish(handle, TokenEvent(None, 0, finish_reason="length", prompt_logprobs=prompt_lp, stats=stats))
+        self._save(req, req.prompt)
 
     def _prefill(self, handle: Handle, prompt: list[int], prompt_logprobs: int | None):
-        """Chunked prefill; -> (last logits [V], prompt logprobs or None), or None when cancelled."""
-        self.runner.reset()
+        """Chunked prefill from the deepest snapshot of a prefix (none where every position's logits are asked
+        for) -> (last logits [V], prompt logprobs or None, tokens restored), or None when cancelled."""
+        start = self._restore(handle.request) if prompt_logprobs is None else 0
+        if not start:
+            self.runner.reset()
         lps = [None] if prompt_logprobs is not None else None
-        logits = None
-        for start in range(0, len(prompt), self.prefill_chunk):
+        logits, pos = None, start
+        while pos < len(prompt):
             if handle.cancelled:
                 return None
-            chunk = prompt[start : start + self.prefill_chunk]
-            logits = self.runner.forward(chunk, start, prompt_logprobs is not None)
+            # passes end on multiples of the chunk, as a prefill from 0 does: after a restore the passes line up
+            # with a plain prefill's again (the products' rounding depends on their shapes), and on the cache's
+            # block boundaries, where snapshots are taken
+            end = min(len(prompt), (pos // self.prefill_chunk + 1) * self.prefill_chunk)
+            if self.prefix is not None:
+                end = min(end, (pos // self.prefix.block + 1) * self.prefix.block)
+            logits = self.runner.forward(prompt[pos:end], pos, prompt_logprobs is not None)
             if lps is not None:
-                lps += _prompt_logprobs(logits, prompt, start, prompt_logprobs)
-        return logits[-1], (lps[: len(prompt)] if lps is not None else None)
+                lps += _prompt_logprobs(logits, prompt, pos, prompt_logprobs)
+            if self.prefix is not None and end < len(prompt) and end % self.prefix.block == 0:
+                self._save(handle.request, prompt[:end])
+            pos = end
+        return logits[-1], (lps[: len(prompt)] if lps is not None else None), start
+
+    def _restore(self, req: GenerationRequest) -> int:
+        """The runner's state set to the deepest cached prefix of the prompt -> its length (0: none)."""
+        if self.prefix is None:
+            return 0
+        salt = salt_digest(req.cache_salt)
+        while (entry := self.prefix.lookup(salt, req.prompt)) is not None:
+            restored = self.prefix.restore(entry)  # 0: a bad file, now forgotten: the next deepest is tried
+            if restored:
+                return restored
+        return 0
+
+    def _save(self, req: GenerationRequest, tokens) -> None:
+        if self.prefix is not None:
+            self.prefix.save(salt_digest(req.cache_salt), tokens)
 
     def _finish(self, handle: Handle, event: TokenEvent) -> None:
         key = {"cancelled": "cancelled"}.get(event.finish_reason, "completed")

@@ -19,6 +19,7 @@ class GenerationRequest:
     prompt: tuple[int, ...]
     params: SamplingParams
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    cache_salt: str | None = None  # prefixes match only requests with the same salt
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class StepStats:
     experts: ExpertCounters  # ... after the step that produced this event
     ttft_s: float | None = None  # prefill seconds (on the first event)
     step_s: float | None = None  # the decode step's seconds (on later events)
+    cached_tokens: int = 0  # prompt tokens restored from a prefix snapshot (on the first event)
 
 
 @dataclass

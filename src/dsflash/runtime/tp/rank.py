@@ -19,7 +19,9 @@ from dsflash.runtime.cpu import fused, native
 from dsflash.runtime.cpu.dense import pack_dense
 from dsflash.runtime.experts.cached import CachedExperts
 from dsflash.runtime.experts.device import CpuDevice, Device
-from dsflash.runtime.spec import DEFAULT_SLOTS, EngineSpec
+from dsflash.runtime.prefix.identity import snapshot_identity
+from dsflash.runtime.prefix.shelf import Shelf
+from dsflash.runtime.spec import DEFAULT_SLOTS, EngineSpec, default_prefix_gb
 from dsflash.runtime.tp.torchrun import local_rank, local_world
 from dsflash.store.reader import open_store
 
@@ -78,7 +80,7 @@ class RankRuntime:
         self.model_dir, self.max_len, self.spec, self.tp, self.token_map = model_dir, max_len, spec, tp, token_map
         self.slot_device = device  # None: the rank's own (CpuDevice or CudaDevice)
         self.device = rank_device(spec.device, tp.rank)
-        self.model = self.state = self.experts = self.graph = self.routing_log = None
+        self.model = self.state = self.experts = self.graph = self.routing_log = self.shelf = None
         self.dense_bytes = 0
         self._ckpt = None
 
@@ -129,8 +131,15 @@ class RankRuntime:
         device = self.slot_device or CpuDevice(self.matmul, spec.slot_fill)
         self.routing_log = _routing_log(spec, tp, cfg)
         self.state = self.model.new_state(self.max_len, device=self.device)  # before the slots take what is left
-        # every rank gets the same count: the smallest budget decides (ranks of a host share its memory)
-        budget = tp.agree_min(device.slot_budget() // _ranks_sharing(self.device, tp))
+        if spec.prefix_cache:
+            self.shelf = Shelf(self.state, snapshot_identity(self.model_dir, spec), tp.rank, tp.size,
+                               spec.prefix_cache_dir)  # fmt: skip
+        # every rank gets the same count: the smallest budget decides (ranks of a host share its memory). CPU slots
+        # leave the prefix cache its host memory (snapshots grow into it after the slots are placed), up to a
+        # quarter of theirs: on a host short of memory the slots come first and the cache's cap is only a cap
+        free = device.slot_budget()
+        reserve = min(prefix_reserve(spec), free // 4) if self.device.type == "cpu" else 0
+        budget = tp.agree_min((free - reserve) // _ranks_sharing(self.device, tp))
         total = sum(s.n_experts for s in cfg.layers())
         n_slots = slot_count(spec.expert_slots, total, store.geometry.stride, budget)  # stride: >= a device's slot
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
@@ -184,6 +193,14 @@ class RankRuntime:
             self.experts.close()
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+def prefix_reserve(spec: EngineSpec) -> int:
+    """Host bytes the prefix cache may take on this host (every rank's snapshots; one host's share under torchrun)."""
+    if not spec.prefix_cache:
+        return 0
+    gb = spec.prefix_cache_gb if spec.prefix_cache_gb is not None else default_prefix_gb()
+    return int(gb * 1e9) * local_world(spec.tp) // spec.tp
 
 
 def to_device(model: torch.nn.Module, device: torch.device) -> None:

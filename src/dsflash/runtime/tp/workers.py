@@ -3,8 +3,10 @@
 Rank 0 lives in the serving process and owns the request loop. Ranks 1..N-1 are spawned processes, or, under
 torchrun (any number of hosts), the other processes torchrun started: every `dsflash` command there becomes a
 follower that takes the engine options from rank 0. Followers loop on a broadcast step header: forward / reset /
-stop. A rank that dies breaks the next collective on rank 0, which then fails with EngineDead naming it: never a
-hang (under torchrun, its agent also ends the others when one fails).
+stop, and snapshot / restore / drop of the decode state by a key (each rank keeps its own shard's snapshots; a
+small all-reduce sums their bytes, or agrees that every rank could load its part). A rank that dies breaks the
+next collective on rank 0, which then fails with EngineDead naming it: never a hang (under torchrun, its agent
+also ends the others when one fails).
 
 Step messages and start-up travel over a gloo group (host tensors and objects); the model's collectives over NCCL
 when every rank has a GPU of its own, else over the same gloo group (runtime.tp.rank.rank_device, model.parallel.TP).
@@ -26,6 +28,7 @@ from dsflash.config import ModelConfig
 from dsflash.counters import ExpertCounters
 from dsflash.errors import ConfigError, EngineDead
 from dsflash.model.parallel import TP
+from dsflash.runtime.prefix.shelf import Shelf, Taken, state_bytes
 from dsflash.runtime.spec import EngineSpec, check_tp
 from dsflash.runtime.tp.rank import RankRuntime, rank_device
 from dsflash.runtime.tp.torchrun import launched_rank, local_world
@@ -33,8 +36,9 @@ from dsflash.store.build import build_store
 
 log = logging.getLogger(__name__)
 
-FORWARD, RESET, STOP = 1, 2, 3
-HEADER = 4  # op, start_pos, n tokens, last position's logits only
+FORWARD, RESET, STOP, SNAPSHOT, RESTORE, DROP = 1, 2, 3, 4, 5, 6
+HEADER = 4  # op, start_pos, n tokens, last position's logits only; snapshot ops: op, length, key, flags
+KEEP, WRITE, FROM_DISK, MEMORY, DISK = 1, 2, 4, 8, 16  # the snapshot ops' flags
 # a collective stuck this long means a peer hangs (a dead peer fails at once: its sockets close)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
@@ -140,6 +144,33 @@ def follow(rt: RankRuntime) -> None:
             tokens = torch.empty(1, n, dtype=torch.int64)
             dist.broadcast(tokens, src=0)
             rt.forward(tokens, start_pos, bool(last_only))
+        elif op == SNAPSHOT:
+            _snapshot(rt.shelf, n, last_only)
+        elif op == RESTORE:
+            _restore(rt.shelf, n, start_pos, last_only)
+        elif op == DROP:
+            rt.shelf.drop(n, memory=bool(last_only & MEMORY), disk=bool(last_only & DISK))
+
+
+def _snapshot(shelf: Shelf, key: int, flags: int, tokens=None, salt: str = "") -> Taken:
+    """Every rank snapshots its shard; -> the costs summed over ranks (rank 0's file also names the tokens)."""
+    t = shelf.take(key, bool(flags & KEEP), bool(flags & WRITE), tokens, salt)
+    v = torch.tensor([t.memory, t.disk, t.disk_full, t.disk_failed], dtype=torch.int64)
+    if shelf.world > 1:
+        dist.all_reduce(v)
+    return Taken(*(int(x) for x in v))
+
+
+def _restore(shelf: Shelf, key: int, length: int, flags: int) -> bool:
+    """Every rank loads and checks its shard; only if all can does any rank's state change."""
+    snap = shelf.load(key, length, bool(flags & FROM_DISK))
+    ok = torch.tensor([int(snap is not None)], dtype=torch.int64)
+    if shelf.world > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not int(ok):
+        return False
+    shelf.apply(key, snap, length, keep=bool(flags & KEEP))
+    return True
 
 
 class TPRunner:
@@ -243,7 +274,7 @@ class TPRunner:
                 raise error
             raise EngineDead(f"tensor-parallel {failed[0]}")
 
-    def _step(self, op: int, start_pos: int = 0, n: int = 0, last_only: bool = False) -> None:
+    def _step(self, op: int, start_pos: int = 0, n: int = 0, last_only: int = 0) -> None:
         if self.world == 1:
             return
         header = torch.tensor([op, start_pos, n, int(last_only)], dtype=torch.int64)
@@ -273,6 +304,36 @@ class TPRunner:
                 raise self._dead(e) from None
             raise
         return logits
+
+    # ---- prefix snapshots (runtime/prefix/cache.SnapshotRunner) ----
+    @property
+    def snapshot_identity(self) -> dict | None:
+        return None if self.rank0.shelf is None else self.rank0.shelf.identity
+
+    def snapshot_bytes(self, length: int) -> int:
+        """Estimated bytes of a snapshot of `length` tokens on every rank (their states have the same shapes)."""
+        return state_bytes(self.rank0.state, length) * self.world
+
+    def snapshot(self, key: int, keep: bool, write: bool, tokens, salt: str) -> Taken:
+        flags = KEEP * keep | WRITE * write
+        return self._collective(SNAPSHOT, 0, key, flags, lambda: _snapshot(self.rank0.shelf, key, flags, tokens, salt))
+
+    def restore(self, key: int, length: int, from_disk: bool, keep: bool) -> bool:
+        flags = FROM_DISK * from_disk | KEEP * keep
+        return self._collective(RESTORE, length, key, flags, lambda: _restore(self.rank0.shelf, key, length, flags))
+
+    def drop(self, key: int, memory: bool, disk: bool) -> None:
+        flags = MEMORY * memory | DISK * disk
+        self._collective(DROP, 0, key, flags, lambda: self.rank0.shelf.drop(key, memory, disk))
+
+    def _collective(self, op: int, a: int, key: int, flags: int, run):
+        self._step(op, a, key, flags)
+        try:
+            return run()
+        except RuntimeError as e:
+            if self.world > 1 and any(not p.is_alive() for p in self.procs):
+                raise self._dead(e) from None
+            raise
 
     def counters(self) -> ExpertCounters:
         """Rank 0's lookups (every rank makes the same slot choices), the bytes of all ranks."""
