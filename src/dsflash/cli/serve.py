@@ -49,6 +49,13 @@ def add_parser(sub) -> None:
         default=None,
         help=f"require 'Authorization: Bearer KEY' on /v1 and /tokenize routes (default: ${API_KEY_ENV} or none)",
     )
+    p.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="CORS: comma-separated origins a browser page may call from (e.g. http://localhost:3000), or '*' "
+        "(default: none; browsers' cross-origin requests are refused)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 + Retry-After")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the profile's)")
     p.add_argument(
@@ -132,7 +139,17 @@ class _Serve:
         self.t0 = time.perf_counter()
         self.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
         # a flag the backend cannot honour fails before anything starts; then the port is bound
-        self.serving = Serving(choice, opts, args.host, args.port, self.api_key, args.shutdown_grace, chat_defaults)
+        origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
+        self.serving = Serving(
+            choice,
+            opts,
+            args.host,
+            args.port,
+            self.api_key,
+            args.shutdown_grace,
+            chat_defaults,
+            allowed_origins=origins,
+        )
 
     def run(self) -> int:
         from dsflash.cli._terminal import Console, row
