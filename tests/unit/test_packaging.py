@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_setuptools_reads_the_metadata_without_warnings(tmp_path):
-    code = "from setuptools import build_meta; build_meta.prepare_metadata_for_build_wheel(%r)" % str(tmp_path)
+    code = f"from setuptools import build_meta; build_meta.prepare_metadata_for_build_wheel({str(tmp_path)!r})"
     r = subprocess.run([sys.executable, "-W", "always", "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -14,6 +14,7 @@ EVERY_FLAG = [
     "--max-queue", "3", "--max-model-len", "777", "--prefill-chunk", "2048", "--cache-dir", "/tmp/c", "--rebuild",
     "--default-chat-template-kwargs", '{"thinking": true}', "--shutdown-grace", "7", "--record-routing", "/tmp/r.jsonl",
     "--enforce-eager", "--max-tokens-default", "100", "--max-tokens-limit", "200",
+    "--allowed-origins", "http://a.example", "--allow-long-context",
 ]  # fmt: skip
 NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "run"}  # the key travels in the environment
 
@@ -46,3 +47,24 @@ def test_ps_stop_and_logs_read_the_registry_without_torch(tmp_path):
     )
     env = {**os.environ, "DSFLASH_STATE": str(tmp_path)}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0
+
+
+def test_serve_help_shows_every_default():
+    """Every serve flag's help says what it is when not given (argparse's "(default: …)" or the help's own)."""
+    import argparse
+
+    from dsflash.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    fmt = serve.formatter_class("dsflash serve")
+    missing = [
+        a.option_strings[0]
+        for a in serve._actions
+        if a.option_strings
+        and a.help != argparse.SUPPRESS
+        and not isinstance(a, argparse._HelpAction)
+        and "default" not in fmt._get_help_string(a).lower()
+    ]
+    assert missing == []
+    assert "--allowed-origins" in serve.format_help() and "--allow-long-context" in serve.format_help()
