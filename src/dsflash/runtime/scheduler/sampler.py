@@ -69,7 +69,7 @@ class Sampler:
             logits = logits.clone()
             logits[self.held_back] = -torch.inf
         self.sampled += 1
-        token = int(logits.argmax()) if self.params.greedy else self._draw(logits)
+        token = _argmax(logits) if self.params.greedy else self._draw(logits)
         k = self.params.logprobs
         if k is None:
             return Sample(token)
@@ -92,6 +92,12 @@ class Sampler:
             drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
             probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0))
         return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """The first index of the largest logit [V] (a NaN counts as largest, as in torch). numpy's: torch's argmax over a
+    129k vocabulary took ~200 us a token on an AVX2 EPYC, numpy's ~15 us."""
+    return int(logits.contiguous().numpy().argmax())
 
 
 def top_logprobs(lp: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:

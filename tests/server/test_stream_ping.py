@@ -1,0 +1,62 @@
+"""The streaming path in process, on a real socket: a quiet stream (long prefill) gets comment pings, and requests
+one after another reuse the worker threads (none is started per request)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from dsflash.runtime.scheduler.engine import Engine
+from dsflash.server import app as app_module
+from dsflash.server import http
+from dsflash.server.app import App
+from dsflash.service.generator import Generator
+from dsflash.text.tokenizer import Tokenizer
+from tests.server.scripted import ScriptedRunner
+
+
+class SlowPrefill(ScriptedRunner):
+    def forward(self, tokens, start_pos, all_logits):
+        if start_pos == 0:
+            time.sleep(0.6)
+        return super().forward(tokens, start_pos, all_logits)
+
+
+@pytest.fixture()
+def served(monkeypatch):
+    monkeypatch.setattr(app_module, "PING_INTERVAL", 0.1)
+    tok = Tokenizer.bundled("v41")
+    engine = Engine(SlowPrefill(tok.encode(" a b c"), tok.vocab_size, eos=tok.eos_id), tok.eos_ids).start()
+    app = App("m")
+    app.attach(Generator(engine, tok, 4096))
+    sock = http.bind("127.0.0.1", 28950)
+    server = http.make_server(app, lambda: None, grace=1.0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for _ in range(100):
+        try:
+            httpx.get(base + "/health")
+            break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    yield base
+    server.should_exit = True
+    thread.join(10)
+    engine.close()
+
+
+def test_a_quiet_stream_gets_pings_and_workers_are_reused(served):
+    body = {"prompt": "x", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", served + "/v1/completions", json=body, timeout=30) as r:
+        events = [e for e in r.read().decode().split("\n\n") if e]
+    first_data = next(i for i, e in enumerate(events) if e.startswith("data: {"))
+    assert first_data >= 3 and all(e == ": ping" for e in events[:first_data])  # 0.6 s of prefill, a ping each 0.1 s
+    assert events[-1] == "data: [DONE]"
+    before = {t.ident for t in threading.enumerate() if t.name == "dsflash-req"}
+    for _ in range(3):
+        assert httpx.post(served + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert {t.ident for t in threading.enumerate() if t.name == "dsflash-req"} == before
