@@ -3,6 +3,7 @@ one after another reuse the worker threads (none is started per request)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -60,3 +61,20 @@ def test_a_quiet_stream_gets_pings_and_workers_are_reused(served):
     for _ in range(3):
         assert httpx.post(served + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
     assert {t.ident for t in threading.enumerate() if t.name == "dsflash-req"} == before
+
+
+def test_nagle_is_off_so_a_response_does_not_wait_for_a_delayed_ack(served):
+    """asyncio disables Nagle only on sockets whose proto is TCP; ours once said 0, and each response's second write
+    waited ~40 ms for the client's delayed ACK."""
+    sock = http.bind("127.0.0.1", 28990)
+    with sock, socket.create_connection(sock.getsockname()):
+        conn, _ = sock.accept()
+        with conn:
+            assert conn.proto == socket.IPPROTO_TCP and conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    with httpx.Client() as client:
+        took = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            assert client.get(served + "/health").status_code == 200
+            took.append(time.perf_counter() - t0)
+    assert sorted(took)[len(took) // 2] < 0.02  # 40 ms and more with Nagle on

@@ -1,8 +1,9 @@
 """The ASGI app: FastAPI routes (routes.py) over the loading / ready / draining lifecycle, the body cap, the API key,
 CORS, and generation on worker threads with client-disconnect cancellation.
 
-Threads: the event loop (HTTP I/O only), one worker thread per generation request (prompt encoding, detokenizing,
-parsing, JSON), the engine thread (tokens only). A worker hands frames to the loop through call_soon_threadsafe.
+Threads: the event loop (HTTP I/O only), a worker thread per generation request in flight (prompt encoding,
+detokenizing, parsing, JSON; the threads are kept between requests), the engine thread (tokens only). A worker
+hands frames to the loop through call_soon_threadsafe.
 A disconnect is seen by awaiting ASGI `receive()` (uvicorn answers `http.disconnect` when the socket closes), at
 any point: queued, prefilling or decoding; it cancels the engine handle, which the engine checks every step.
 Generation is answered by a Response of its own (GenerationResponse) rather than FastAPI's StreamingResponse: it

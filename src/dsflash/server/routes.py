@@ -162,9 +162,13 @@ def install(api: FastAPI, app: App) -> None:
     async def metrics(request: Request) -> Response:
         return Response(app.metrics.render(), 200, media_type=CONTENT_TYPE)
 
+    built: list[bytes] = []  # the document, once: the served model does not change after attach
+
     async def schema(request: Request) -> Response:
         app.ready_generator()  # the document states the model's context and vocabulary: 503 until they are known
-        return json_reply(openapi.document(api, app.served, auth=app.api_key is not None))
+        if not built:
+            built.append(sse.dumps(openapi.document(api, app.served, auth=app.api_key is not None)))
+        return Response(built[0], 200, media_type="application/json")
 
     gen_errors = (400, 404, 413, 429, 503)
     table: list[tuple[str, str, Callable, _Doc]] = [
