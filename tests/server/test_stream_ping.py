@@ -1,5 +1,6 @@
-"""The streaming path in process, on a real socket: a quiet stream (long prefill) gets comment pings, and requests
-one after another reuse the worker threads (none is started per request)."""
+"""The server in process, on a real socket: a quiet stream (long prefill) gets comment pings, requests one after
+another reuse the worker threads (none is started per request), no response waits for a delayed ACK, a model id
+with a slash is a path."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 from dsflash.runtime.scheduler.engine import Engine
@@ -31,7 +33,7 @@ def served(monkeypatch):
     monkeypatch.setattr(app_module, "PING_INTERVAL", 0.1)
     tok = Tokenizer.bundled("v41")
     engine = Engine(SlowPrefill(tok.encode(" a b c"), tok.vocab_size, eos=tok.eos_id), tok.eos_ids).start()
-    app = App("m")
+    app = App("m", aliases=("org/name",))  # a repo id as an alias: it holds a slash
     app.attach(Generator(engine, tok, 4096))
     sock = http.bind("127.0.0.1", 28950)
     server = http.make_server(app, lambda: None, grace=1.0)
@@ -78,3 +80,10 @@ def test_nagle_is_off_so_a_response_does_not_wait_for_a_delayed_ack(served):
             assert client.get(served + "/health").status_code == 200
             took.append(time.perf_counter() - t0)
     assert sorted(took)[len(took) // 2] < 0.02  # 40 ms and more with Nagle on
+
+
+def test_a_model_is_found_under_an_alias_with_a_slash(served):
+    client = openai.OpenAI(base_url=served + "/v1", api_key="x", max_retries=0)
+    assert client.models.retrieve("org/name").id == "m"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other")

@@ -173,7 +173,7 @@ def install(api: FastAPI, app: App) -> None:
     gen_errors = (400, 404, 413, 429, 503)
     table: list[tuple[str, str, Callable, _Doc]] = [
         ("GET", "/v1/models", models, _Doc("the served model", responses.ModelList)),
-        ("GET", "/v1/models/{name}", model, _Doc("the served model's card", responses.ModelCard, errors=(404, 503))),
+        ("GET", "/v1/models/{name:path}", model, _Doc("a model card", responses.ModelCard, errors=(404, 503))),
         (
             "POST",
             "/v1/chat/completions",
