@@ -381,3 +381,4 @@ def test_version_and_tokenizer_info(server):
     assert info["model_max_length"] == 1024 and info["vocab_size"] > 1000 and info["add_bos_token"] is True
     ids = raw(server, "/tokenize", {"prompt": "Hi"}).json()["tokens"]
     assert raw(server, "/detokenize", {"tokens": ids[:1]}).json()["prompt"] == info["bos_token"]
+    assert ids[0] == info["bos_token_id"] and info["eos_token_id"] == 1

@@ -170,6 +170,8 @@ class TokenizerInfo(_Out):
     vocab_size: int
     bos_token: str | None
     eos_token: str | None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
     pad_token: str | None
     add_bos_token: bool
     chat_template: str | None = None

@@ -108,6 +108,8 @@ class Generator:
             "vocab_size": tok.vocab_size,
             "bos_token": name.get(tok.bos_id),
             "eos_token": name.get(tok.eos_id),
+            "bos_token_id": tok.bos_id,
+            "eos_token_id": tok.eos_id,
             "pad_token": name.get(tok.eos_id),  # DeepSeek pads with EOS
             "add_bos_token": tok.bos_id is not None,
             "chat_template": None,  # the chat format is code (text/chat.py); POST /tokenize with messages renders it
