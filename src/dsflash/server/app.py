@@ -323,17 +323,6 @@ class _Workers:
 _WORKERS = _Workers()
 
 
-class GenerationResponse(Response):
-    """What a generation endpoint returns: the app runs the request when Starlette sends this response."""
-
-    def __init__(self, app: App, work: Generation):
-        self.app, self.work = app, work
-        self.background, self.status_code = None, 200  # what FastAPI reads of a returned Response
-
-    async def __call__(self, scope, receive, send) -> None:
-        await self.app.generate(self.work, scope, receive, send)
-
-
 async def _on_gone(request: Request, exc: Exception) -> Response:
     """The client closed the connection before its request body arrived: nobody reads this answer."""
     return Response(b"", 400)

@@ -57,6 +57,17 @@ class Generation:
         return fn(deltas, self.meta)
 
 
+class GenerationResponse(Response):
+    """What a generation endpoint returns: the app runs the request when Starlette sends this response."""
+
+    def __init__(self, app: App, work: Generation):
+        self.app, self.work = app, work
+        self.background, self.status_code = None, 200  # what FastAPI reads of a returned Response
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app.generate(self.work, scope, receive, send)
+
+
 def _card(app: App) -> dict:
     s = app.served
     return {
@@ -115,8 +126,6 @@ def install(api: FastAPI, app: App) -> None:
 
     def generation(kind: str, model_type):
         async def endpoint(request: Request) -> Response:
-            from dsflash.server.app import GenerationResponse
-
             app.authorize(request)
             app.ready_generator()
             raw = await app.read_json(request)
