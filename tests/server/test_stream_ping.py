@@ -1,6 +1,6 @@
 """The server in process, on a real socket: a quiet stream (long prefill) gets comment pings, requests one after
 another reuse the worker threads (none is started per request), no response waits for a delayed ACK, a model id
-with a slash is a path."""
+with a slash is a path, Retry-After is the queue's expected wait."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class SlowPrefill(ScriptedRunner):
 def served(monkeypatch):
     monkeypatch.setattr(app_module, "PING_INTERVAL", 0.1)
     tok = Tokenizer.bundled("v41")
-    engine = Engine(SlowPrefill(tok.encode(" a b c"), tok.vocab_size, eos=tok.eos_id), tok.eos_ids).start()
+    runner = SlowPrefill(tok.encode(" a b c"), tok.vocab_size, eos=tok.eos_id)
+    engine = Engine(runner, tok.eos_ids, max_queue=1).start()
     app = App("m", aliases=("org/name",))  # a repo id as an alias: it holds a slash
     app.attach(Generator(engine, tok, 4096))
     sock = http.bind("127.0.0.1", 28950)
@@ -87,3 +88,33 @@ def test_a_model_is_found_under_an_alias_with_a_slash(served):
     assert client.models.retrieve("org/name").id == "m"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("org/other")
+
+
+def _gauge(base: str, name: str) -> float:
+    line = next(x for x in httpx.get(base + "/metrics").text.splitlines() if x.startswith(f"dsflash:{name}{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def _wait(cond, what: str) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < 10, what
+        time.sleep(0.02)
+
+
+def test_retry_after_is_the_queues_expected_wait_over_http(served):
+    """A request takes ~0.6 s here (its prefill); with one running and one waiting, the next is told to come back
+    after about two of them, not after a fixed second."""
+    assert httpx.post(served + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    body = {"prompt": "x", "max_tokens": 3, "stream": True}
+    streams = [threading.Thread(target=lambda: httpx.post(served + "/v1/completions", json=body, timeout=30))]
+    streams[0].start()
+    _wait(lambda: _gauge(served, "requests_running") == 1, "the first request to run")
+    streams.append(threading.Thread(target=lambda: httpx.post(served + "/v1/completions", json=body, timeout=30)))
+    streams[1].start()
+    _wait(lambda: _gauge(served, "queue_depth") == 1, "the second request to wait")
+    r = httpx.post(served + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    assert 2 <= int(r.headers["retry-after"]) <= 5, r.headers["retry-after"]
+    for t in streams:
+        t.join(30)
