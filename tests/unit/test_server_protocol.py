@@ -74,6 +74,13 @@ def test_strict_types_but_integral_floats_count_as_integers():
     assert rejected(chat, messages=[{"role": "wizard", "content": "x"}]).param == "messages[0].role"
 
 
+def test_thinking_switches_and_chat_template_kwargs_are_closed():
+    assert chat(thinking={"type": "disabled", "budget_tokens": 5}).chat.thinking is False
+    assert chat(thinking=True).chat.thinking is True
+    assert rejected(chat, thinking={"type": "maybe"}).param == "thinking.type"
+    assert rejected(chat, chat_template_kwargs={"nope": 1}).param == "chat_template_kwargs.nope"
+
+
 def test_unknown_fields_are_kept_for_the_log_and_known_unsupported_ones_refused():
     raw = {"messages": Q, "not_a_field": 1, "b": 2}
     assert protocol.unknown_fields(protocol.validate(protocol.ChatCompletionRequest, raw)) == ["b", "not_a_field"]

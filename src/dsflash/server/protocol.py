@@ -111,7 +111,9 @@ class ChatTemplateKwargs(_Closed):
     drop_thinking: bool | None = None
 
 
-class Thinking(_Closed):
+class Thinking(_Model):
+    """DeepSeek's switch; other keys (Anthropic's budget_tokens) are accepted and not used, as before."""
+
     type: Literal["enabled", "disabled"]
 
 
@@ -214,7 +216,7 @@ def _param(loc) -> str | None:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in _NOT_FIELDS or not part.replace("_", "a").isalnum():
+        elif part in _NOT_FIELDS or not part.replace("_", "a").isalnum() or part[0].isupper():  # a model's name
             continue
         else:
             out += f".{part}" if out else part
@@ -222,7 +224,8 @@ def _param(loc) -> str | None:
 
 
 def _invalid(errors: list[dict]) -> InvalidRequest:
-    err = errors[0]
+    # a union reports one error per member; the one that got deepest into the value is the one the client meant
+    err = max(errors, key=lambda e: len((_param(e["loc"]) or "").replace("[", ".[").split(".")))
     param = _param(err["loc"])
     if err["type"] == "missing":
         return InvalidRequest(f"{param} is required", param=param)
@@ -326,7 +329,7 @@ def to_chat(b: ChatCompletionRequest, raw: Mapping, served: ServedModel) -> tupl
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     options = _options(b, served, max_tokens, (b.top_logprobs or 0) if b.logprobs else None)
     kw = b.chat_template_kwargs.model_dump(exclude_none=True) if b.chat_template_kwargs is not None else None
-    thinking = b.thinking.model_dump() if isinstance(b.thinking, Thinking) else b.thinking
+    thinking = {"type": b.thinking.type} if isinstance(b.thinking, Thinking) else b.thinking
     chat = chat_options(kw, reasoning_effort=b.reasoning_effort, thinking=thinking, defaults=served.chat_defaults)
     req = ChatRequest(
         messages=raw["messages"],
