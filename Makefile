@@ -8,12 +8,18 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
+# each step says what it does and pip shows its downloads: a first install takes about a minute, and a silent one
+# looks hung
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet 'torch==2.13.0'
-	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	@echo "[1/4] virtual environment in $(VENV)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "[2/4] pip (latest)"
+	@$(BIN)/pip install --quiet --upgrade pip
+	@echo "[3/4] torch 2.13.0 (the largest download)"
+	@$(BIN)/pip install --progress-bar on 'torch==2.13.0'
+	@echo "[4/4] dsflash (editable) and its dependencies"
+	@$(BIN)/pip install --progress-bar on -e '.[dev]'
+	@touch $(STAMP) && echo "ready: $(BIN)/dsflash"
 
 serve: install
 	$(BIN)/dsflash serve $(ARGS)

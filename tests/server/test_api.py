@@ -8,7 +8,9 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from dsflash.service.api import PREFIX_METRICS
 from tests.server.conftest import API_KEY
 
 THINK_OFF = {"chat_template_kwargs": {"thinking": False}}
@@ -261,8 +263,9 @@ def test_tokenize_detokenize(server):
 
 
 def _count(text: str, endpoint: str, outcome: str) -> float:
-    key = f'dsflash:requests_total{{model_name="dsflash-tiny-v4.1",endpoint="{endpoint}",outcome="{outcome}"}} '
-    return float(next(line for line in text.splitlines() if line.startswith(key)).split()[-1])
+    want = {"model_name": "dsflash-tiny-v4.1", "endpoint": endpoint, "outcome": outcome}
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "dsflash:requests")
+    return next(s.value for s in family.samples if s.name == "dsflash:requests_total" and s.labels == want)
 
 
 def test_health_and_metrics(server, client, model):
@@ -274,7 +277,7 @@ def test_health_and_metrics(server, client, model):
     assert _count(text, "completion", "ok") == _count(before, "completion", "ok") + 1
     assert _count(text, "chat", "invalid") == _count(before, "chat", "invalid") + 1
     for name in (
-        'dsflash:requests_total{model_name="dsflash-tiny-v4.1",endpoint="completion",outcome="ok"}',
+        "dsflash:requests_total{",
         "dsflash:queue_depth",
         "dsflash:time_to_first_token_seconds_bucket",
         "dsflash:decode_tokens_per_second",
@@ -283,6 +286,36 @@ def test_health_and_metrics(server, client, model):
         "dsflash:expert_bytes_streamed_total",
     ):
         assert name in text
+
+
+def test_metrics_parse_with_prometheus_clients_parser(server, client, model):
+    """Every family parses; the prefix cache's series exist with the kinds the service declares and count a
+    request's lookup and its snapshot; the process's own metrics are there; every dsflash series names the model."""
+
+    def families() -> dict:
+        r = httpx.get(server.base + "/metrics")
+        assert r.headers["content-type"].startswith("text/plain")
+        return {f.name: f for f in text_string_to_metric_families(r.text)}
+
+    def prefix(fam: dict) -> dict[str, float]:
+        out = {}
+        for name, (kind, _) in PREFIX_METRICS.items():
+            f = fam["dsflash:" + name.removesuffix("_total") if kind == "counter" else "dsflash:" + name]
+            assert f.type == kind and len(f.samples) == 1 and f.samples[0].value >= 0, name
+            out[name] = f.samples[0].value
+        return out
+
+    before = prefix(families())
+    client.completions.create(model=model, prompt="metrics of the prefix cache", max_tokens=2)
+    after = prefix(fam := families())
+    assert after["prefix_cache_lookups_total"] == before["prefix_cache_lookups_total"] + 1
+    assert after["prefix_cache_memory_bytes"] > 0  # the prompt's snapshot at least
+    assert fam["dsflash:time_to_first_token_seconds"].type == "histogram"
+    assert fam["dsflash:requests"].type == "counter" and fam["dsflash:ready"].samples[0].value == 1
+    assert {"process_resident_memory_bytes", "process_cpu_seconds"} <= set(fam)
+    ours = [s for name, f in fam.items() if name.startswith("dsflash:") for s in f.samples]
+    assert ours and all(s.labels.get("model_name") == "dsflash-tiny-v4.1" for s in ours)
+    assert not any(s.name.endswith("_created") for s in ours)
 
 
 def test_request_log_line(server, client, model):
@@ -318,3 +351,47 @@ def test_a_field_name_cannot_forge_or_colour_a_log_line(server, client, model):
     out = server.output()
     assert len(lines) == 1 and "\x1b" not in out and "req=forged" not in out.replace("\\x1b[31mreq=forged", "")
     assert lines[0].endswith("ignored=x\\n\\x1b[31mreq=forged\\x20outcome=ok" + "y" * 26 + "...")
+
+
+# ---- vLLM's extras, the prefix-reuse seams, /version, /tokenizer_info -------------------------------------------
+def test_usage_reports_cached_prompt_tokens_everywhere(client, model):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI reports it (0 until the prefix cache restores any)."""
+    r = client.chat.completions.create(model=model, messages=Q, max_tokens=2, extra_body={"cache_salt": "a"})
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    r = client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"cache_salt": "b"})
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.chat.completions.create(
+        model=model, messages=Q, max_tokens=2, stream=True, stream_options={"include_usage": True}
+    )
+    last = list(stream)[-1]
+    assert last.choices == [] and last.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=Q, max_tokens=2, extra_body={"cache_salt": 7})
+    assert e.value.param == "cache_salt"
+
+
+def test_min_tokens_prompt_logprobs_and_logprobs_true(server, client, model):
+    r = client.completions.create(
+        model=model, prompt="Hello there", max_tokens=6, logprobs=True, extra_body={"min_tokens": 6, **THINK_OFF}
+    )
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    assert all(len(top) <= 2 for top in r.choices[0].logprobs.top_logprobs)  # 1 alternative (+ the sampled token)
+    body = raw(server, "/v1/completions", {"prompt": "Hello there", "max_tokens": 1, "prompt_logprobs": 2}).json()
+    positions = body["choices"][0]["prompt_logprobs"]
+    n = body["usage"]["prompt_tokens"]
+    assert len(positions) == n and positions[0] is None and all(2 <= len(p) <= 3 for p in positions[1:])
+    chat = raw(server, "/v1/chat/completions", {"messages": Q, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    err = raw(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}).json()["error"]
+    assert err["param"] == "min_tokens"
+
+
+def test_version_and_tokenizer_info(server):
+    v = httpx.get(server.base + "/version").json()  # open, like /health
+    assert v["model"] == "dsflash-tiny-v4.1" and v["version"] and "revision" in v
+    assert httpx.get(server.base + "/tokenizer_info").status_code == 401  # the API key, like /tokenize
+    info = httpx.get(server.base + "/tokenizer_info", headers=server.headers).json()
+    assert info["model_max_length"] == 1024 and info["vocab_size"] > 1000 and info["add_bos_token"] is True
+    ids = raw(server, "/tokenize", {"prompt": "Hi"}).json()["tokens"]
+    assert raw(server, "/detokenize", {"tokens": ids[:1]}).json()["prompt"] == info["bos_token"]
+    assert ids[0] == info["bos_token_id"] and info["eos_token_id"] == 1

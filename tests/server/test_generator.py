@@ -342,3 +342,72 @@ def test_admission_and_gauges(tok):
         engine.close()
     with pytest.raises(EngineDead):
         gen.check_admission()
+
+
+def test_min_tokens_holds_back_eos_and_stop_token_ids(tok, make):
+    """vLLM's min_tokens: EOS and stop_token_ids are not sampled until that many tokens are out (the runner-up
+    comes instead); after that they stop the output as usual."""
+    a, b, stop = tok.encode(" one")[0], tok.encode(" two")[0], tok.encode(" three")[0]
+    gen, _ = make([a, tok.eos_id, b, tok.eos_id])
+    plain = list(gen.stream(CompletionRequest("x", GenerationOptions(temperature=0, max_tokens=8))))
+    assert plain[-1].usage.completion_tokens == 2 and plain[-1].finish_reason == "stop"
+    held = list(gen.stream(CompletionRequest("x", GenerationOptions(temperature=0, max_tokens=8, min_tokens=3))))
+    assert held[-1].usage.completion_tokens == 4 and held[-1].finish_reason == "stop"
+    gen, _ = make([a, stop, b, tok.eos_id])
+    opts = GenerationOptions(temperature=0, max_tokens=8, stop_token_ids=(stop,), min_tokens=2)
+    deltas, text = run(gen, CompletionRequest("x", opts))
+    assert deltas[-1].usage.completion_tokens == 4 and text["content"].endswith(" two")
+    assert tok.decode([stop + 1]) in text["content"]  # the runner-up took the held-back stop id's place
+
+
+def test_prompt_logprobs_per_position(tok, make):
+    """vLLM's prompt_logprobs: None for the first prompt token, then the prompt's token and the top k."""
+    first = tok.encode(" world")[0]
+    gen, _ = make([first, tok.eos_id])
+    req = CompletionRequest("Hello there", GenerationOptions(temperature=0, max_tokens=4, prompt_logprobs=1))
+    deltas = list(gen.stream(req))
+    prompt = gen.text_prompt("Hello there")
+    positions = next(d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None)
+    assert len(positions) == len(prompt) and positions[0] is None
+    for token, entries in zip(prompt[1:], positions[1:]):
+        assert entries[0].token_id == token and entries[0].token == tok.decode([token])
+        assert entries[-1].token_id == first and entries[-1].rank == 1  # the scripted runner's favourite
+    body = render.full_completion(iter(deltas), render.Meta("m", "completion", prompt_logprobs=True))
+    assert body["choices"][0]["prompt_logprobs"][1][str(first)]["rank"] == 1
+    chat = list(gen.stream(ChatRequest(Q, GenerationOptions(temperature=0, max_tokens=4, prompt_logprobs=0))))
+    positions = next(d.prompt_logprobs for d in chat if d.prompt_logprobs is not None)
+    assert len(positions) == len(gen.chat_prompt(ChatRequest(Q))) and all(len(p) == 1 for p in positions[1:])
+
+
+def test_retry_after_is_the_queues_expected_wait(tok):
+    """Retry-After: the requests ahead (waiting and running) times the recent mean engine time per request, at least
+    1 s and at most 60 s; with no history yet, 1 s."""
+    runner = ScriptedRunner([5] * 500, tok.vocab_size, eos=tok.eos_id, step_s=0.01)
+    engine = Engine(runner, tok.eos_ids, max_queue=1).start()
+    gen = Generator(engine, tok, 4096)
+    try:
+        list(gen.stream(CompletionRequest("x", GenerationOptions(temperature=0, max_tokens=30, ignore_eos=True))))
+        assert 0.25 < gen.recent_s[-1] < 3  # 30 steps of 10 ms, measured, not assumed
+        long = GenerationOptions(temperature=0, max_tokens=400, ignore_eos=True)
+        running = gen.open_completion(CompletionRequest("x", long))
+        running.handle.started.wait(5)
+        waiting = gen.open_completion(CompletionRequest("y", long))
+        gen.recent_s.clear()
+        gen.recent_s.extend([2.0, 4.0])  # a mean of 3 s; two requests ahead
+        with pytest.raises(Overloaded) as e:
+            gen.check_admission()
+        assert e.value.retry_after == 6
+        gen.recent_s.extend([100.0] * 16)
+        with pytest.raises(Overloaded) as e:
+            gen.check_admission()
+        assert e.value.retry_after == 60
+        gen.recent_s.clear()
+        gen.recent_s.append(0.01)
+        with pytest.raises(Overloaded) as e:
+            gen.check_admission()
+        assert e.value.retry_after == 1
+        waiting.cancel()
+        running.cancel()
+        list(running)
+    finally:
+        engine.close()

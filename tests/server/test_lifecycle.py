@@ -45,6 +45,8 @@ def test_boot_port_walk_detach_stop(tmp_path):
         assert "generated" in out and "Ready in" in out and f"http://127.0.0.1:{port}/v1" in out
         assert "expert store      built after the packer self-check" in out
         assert "limits    max_tokens 2,048 where a request names none (--max-tokens-default)" in out
+        # port-qualified: once a second server of the model runs, `stop MODEL` refuses and `logs MODEL` is ambiguous
+        assert f"dsflash stop {port}   (or Ctrl-C)" in out and f"dsflash logs {port} --follow" in out
         for label in ("checkpoint", "inventory", "expert store", "dense weights", "slots and caches", "warm-up", "API"):
             assert f" {label} " in out, label
 
@@ -69,6 +71,9 @@ def test_boot_port_walk_detach_stop(tmp_path):
         for name in ([], ["dsflash-tiny-v4.1"]):
             amb = dsflash(env, "stop", *name)
             assert amb.returncode == 1 and "several servers match" in amb.stderr
+            amb = dsflash(env, "logs", *name)  # never one of them picked silently
+            assert amb.returncode == 1 and "several servers match" in amb.stderr
+        assert f"dsflash stop {port_b}\n" in b.stdout  # a detached server's card: no Ctrl-C
 
         # stop A from another process while a request is streaming on it: the stream ends cleanly, exit 0
         got = {}
@@ -92,6 +97,8 @@ def test_boot_port_walk_detach_stop(tmp_path):
 
         logs = dsflash(env, "logs", str(port_b))
         assert logs.returncode == 0 and "Ready in" in logs.stdout
+        gone = dsflash(env, "logs", str(port))  # a stopped server's log, by the port its card named
+        assert gone.returncode == 0 and f"stopped dsflash-tiny-v4.1 on port {port}" in gone.stdout
         last = dsflash(env, "stop")  # only one left: no name needed
         assert last.returncode == 0 and "is free" in last.stdout
         assert not port_open(port_b)
@@ -99,6 +106,30 @@ def test_boot_port_walk_detach_stop(tmp_path):
     finally:
         a.stop()
         dsflash(a.env, "stop", "--all")
+
+
+def test_a_key_given_as_a_flag_is_not_shown_as_an_environment_variable(tmp_path, model_cache):
+    srv = start_server(tmp_path, model_cache, "--api-key", "flag-key-123", "--max-model-len", "256")
+    try:
+        srv.wait_ready()
+        out = srv.wait_output("stop      ")
+        assert 'curl -H "Authorization: Bearer <the key given with --api-key>" ' in out
+        assert "$DSFLASH_API_KEY" not in out and "flag-key-123" not in out
+        r = httpx.get(srv.base + "/v1/models", headers={"Authorization": "Bearer flag-key-123"})
+        assert r.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_a_context_beyond_the_models_positions_is_one_clear_line(tmp_path, model_cache):
+    """vLLM's rule: --max-model-len past max_position_embeddings (the embedded model's is 65536) is an error unless
+    explicitly allowed."""
+    env = dsflash_env(tmp_path / "state", model_cache)
+    r = dsflash(env, "serve", "--port", str(free_port()), "--max-model-len", "70000", timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
+    err = [line for line in r.stderr.splitlines() if line]
+    assert err == ["dsflash serve: error: --max-model-len 70000 is beyond this model's max_position_embeddings "
+                   "(65536); lower it, or pass --allow-long-context to serve it anyway"]  # fmt: skip
 
 
 def test_boot_failure_is_one_clear_line(tmp_path):

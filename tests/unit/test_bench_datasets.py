@@ -79,6 +79,8 @@ def test_presets_are_the_reference_table():
         "codegen": (1024, 1024, 9216),
         "agent": (8192, 512, 9216),
         "long": (32768, 256, 33792),
+        "multi-turn": (4096, 64, 9216),  # the first turn; each later one resends it with 64 new tokens
     }
+    assert (PRESETS["multi-turn"].turns, PRESETS["multi-turn"].turn_len) == (4, 64)
     assert PRESETS["chat"].scaled(0.1) == (13, 26)
     assert PRESETS["chat"].scaled(0.001) == (1, 2)

@@ -41,6 +41,9 @@ ALLOWED = {
     "__main__": {"cli"},
 }
 NO_TORCH = {"text", "bench", "sim", "errors", "paths", "counters", "config", "__init__"}
+# the HTTP stack is the server's: a service or runtime that imported it would tie the engine to one web framework
+HTTP_ONLY = ("fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client")
+HTTP_PACKAGES = {"server"}
 
 # runtime's wings -> the other wings each may import. The scheduler drives a Runner and imports no kernels; the CPU
 # kernels know nothing of experts, ranks or CUDA; only the TP wing assembles ranks from the others.
@@ -80,6 +83,8 @@ def test_imports_point_down(package, path):
         parts = name.split(".")
         if parts[0] == "torch" and package in NO_TORCH:
             raise AssertionError(f"{path.name}: {package} may not import torch")
+        if parts[0] in HTTP_ONLY and package not in HTTP_PACKAGES:
+            raise AssertionError(f"{path.name}: only the server imports {parts[0]} ({package} does)")
         if parts[0] != "dsflash" or len(parts) < 2 or allowed is None:
             continue
         target = parts[1]

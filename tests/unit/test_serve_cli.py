@@ -15,6 +15,7 @@ EVERY_FLAG = [
     "--default-chat-template-kwargs", '{"thinking": true}', "--shutdown-grace", "7", "--record-routing", "/tmp/r.jsonl",
     "--enforce-eager", "--max-tokens-default", "100", "--max-tokens-limit", "200", "--no-prefix-cache",
     "--prefix-cache-gb", "0.5", "--prefix-cache-dir", "/tmp/p", "--prefix-cache-disk-gb", "3",
+    "--allowed-origins", "http://a.example", "--allow-long-context",
 ]  # fmt: skip
 NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "run"}  # the key travels in the environment
 
@@ -60,3 +61,24 @@ def test_prefix_cache_flags_reach_the_engine_spec():
     # a detached server keeps reuse on unless told otherwise
     child = parser.parse_args(child_argv(parser.parse_args(["serve", "--detach"]))[3:])
     assert engine_spec(child).prefix_cache
+
+
+def test_serve_help_shows_every_default():
+    """Every serve flag's help says what it is when not given (argparse's "(default: …)" or the help's own)."""
+    import argparse
+
+    from dsflash.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    fmt = serve.formatter_class("dsflash serve")
+    missing = [
+        a.option_strings[0]
+        for a in serve._actions
+        if a.option_strings
+        and a.help != argparse.SUPPRESS
+        and not isinstance(a, argparse._HelpAction)
+        and "default" not in fmt._get_help_string(a).lower()
+    ]
+    assert missing == []
+    assert "--allowed-origins" in serve.format_help() and "--allow-long-context" in serve.format_help()

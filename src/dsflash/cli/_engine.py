@@ -70,7 +70,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: 
         type=os.path.abspath,  # one absolute file, whichever process (a detached child) opens it
         metavar="FILE",
         help="append the expert routing of every MoE call to FILE (JSON lines; engine backend) for "
-        "`dsflash simulate --trace FILE`",
+        "`dsflash simulate --trace FILE` (default: not recorded)",
     )
     add_prefix_arguments(p)
 

@@ -28,9 +28,9 @@ def run(args) -> int:
     from dsflash.server.registry import pid_alive, servers
 
     running = [r for r in servers() if r.matches(args.model)]
-    if len(running) > 1 and args.model is None:
+    if len(running) > 1:  # never pick one silently
         names = ", ".join(f"{r.model} (port {r.port})" for r in running)
-        raise DsflashError(f"several servers are running: {names}; name one")
+        raise DsflashError(f"several servers match: {names}; name one by its port")
     if running:
         path, pid = Path(running[-1].log), running[-1].pid
     else:
@@ -54,8 +54,13 @@ def run(args) -> int:
 
 
 def _newest_log(folder, model):
+    """The newest log of a model (its id or alias), or of a port (a log is named <model>-<port>-<time>.log)."""
     import re
 
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "--", model).strip("-") if model else ""
-    logs = sorted(folder.glob(f"{slug}*.log" if slug else "*.log"), key=lambda p: p.stat().st_mtime)
+    if model and model.isdigit():
+        pattern = f"*-{int(model)}-*.log"
+    else:
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "--", model).strip("-") if model else ""
+        pattern = f"{slug}*.log" if slug else "*.log"
+    logs = sorted(folder.glob(pattern), key=lambda p: p.stat().st_mtime)
     return logs[-1] if logs else None

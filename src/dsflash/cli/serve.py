@@ -49,8 +49,21 @@ def add_parser(sub) -> None:
         default=None,
         help=f"require 'Authorization: Bearer KEY' on /v1 and /tokenize routes (default: ${API_KEY_ENV} or none)",
     )
+    p.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="CORS: comma-separated origins a browser page may call from (e.g. http://localhost:3000), or '*' "
+        "(default: none; browsers' cross-origin requests are refused)",
+    )
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 429 + Retry-After")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the profile's)")
+    p.add_argument(
+        "--allow-long-context",
+        action="store_true",
+        help="accept a --max-model-len beyond the model's max_position_embeddings (as vLLM's "
+        "VLLM_ALLOW_LONG_MAX_MODEL_LEN; positions past what it was trained on may give garbage)",
+    )
     p.add_argument(
         "--max-tokens-default",
         type=int,
@@ -67,7 +80,8 @@ def add_parser(sub) -> None:
         "--default-chat-template-kwargs",
         default=None,
         metavar="JSON",
-        help="server-wide chat_template_kwargs, e.g. '{\"thinking\": false}' (requests override them)",
+        help="server-wide chat_template_kwargs, e.g. '{\"thinking\": false}' (requests override them; default: "
+        "none, the model's template defaults)",
     )
     p.add_argument(
         "--shutdown-grace", type=float, default=5.0, help="seconds a running request may finish after SIGTERM"
@@ -101,6 +115,7 @@ def boot_options(args):
         args.backend,
         max_queue=args.max_queue,
         max_model_len=args.max_model_len,
+        allow_long_context=args.allow_long_context,
         max_tokens_default=args.max_tokens_default,
         max_tokens_limit=args.max_tokens_limit,
     )
@@ -131,8 +146,19 @@ class _Serve:
         self.args, self.choice = args, choice
         self.t0 = time.perf_counter()
         self.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        self.key_source = "--api-key" if args.api_key else API_KEY_ENV
         # a flag the backend cannot honour fails before anything starts; then the port is bound
-        self.serving = Serving(choice, opts, args.host, args.port, self.api_key, args.shutdown_grace, chat_defaults)
+        origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
+        self.serving = Serving(
+            choice,
+            opts,
+            args.host,
+            args.port,
+            self.api_key,
+            args.shutdown_grace,
+            chat_defaults,
+            allowed_origins=origins,
+        )
 
     def run(self) -> int:
         from dsflash.cli._terminal import Console, row
@@ -179,7 +205,9 @@ class _Serve:
         model = self.choice.model_id
         ready = time.perf_counter() - self.t0
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
-        stop = f"dsflash stop {model}" + ("" if self.args._child else "   (or Ctrl-C)")
+        # by port: `stop MODEL` refuses and `logs MODEL` cannot tell servers apart once a second one runs
+        port = record.port
+        stop = f"dsflash stop {port}" + ("" if self.args._child else "   (or Ctrl-C)")
         lines = [
             "",
             f"  Ready in {ready:.1f}s · {model} · profile {self.choice.profile.name} · "
@@ -187,12 +215,14 @@ class _Serve:
             f"  endpoint  {base}/v1",
             f"  limits    max_tokens {_limits(booted)}",
             f"  try       curl {base}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-            f"  logs      dsflash logs {model} --follow   ({record.log})",
+            f"  logs      dsflash logs {port} --follow   ({record.log})",
             f"  stop      {stop}",
             "",
         ]
         if self.api_key is not None:
-            lines = [x.replace("curl ", 'curl -H "Authorization: Bearer $DSFLASH_API_KEY" ', 1) for x in lines]
+            # a key given as a flag is not in the environment: the card names where it comes from, never the key
+            bearer = "$" + API_KEY_ENV if self.key_source == API_KEY_ENV else "<the key given with --api-key>"
+            lines = [x.replace("curl ", f'curl -H "Authorization: Bearer {bearer}" ', 1) for x in lines]
         for line in lines:
             self.console.line(line)
 

@@ -1,10 +1,13 @@
-"""The ASGI app: routes bound to uvicorn, the body cap, the API key, the loading / ready / draining lifecycle, and
-generation on worker threads with client-disconnect cancellation.
+"""The ASGI app: FastAPI routes (routes.py) over the loading / ready / draining lifecycle, the body cap, the API key,
+CORS, and generation on worker threads with client-disconnect cancellation.
 
-Threads: the event loop (HTTP I/O only), one worker thread per generation request (prompt encoding, detokenizing,
-parsing, JSON), the engine thread (tokens only). A worker hands frames to the loop through call_soon_threadsafe.
+Threads: the event loop (HTTP I/O only), a worker thread per generation request in flight (prompt encoding,
+detokenizing, parsing, JSON; the threads are kept between requests), the engine thread (tokens only). A worker
+hands frames to the loop through call_soon_threadsafe.
 A disconnect is seen by awaiting ASGI `receive()` (uvicorn answers `http.disconnect` when the socket closes), at
 any point: queued, prefilling or decoding; it cancels the engine handle, which the engine checks every step.
+Generation is answered by a Response of its own (GenerationResponse) rather than FastAPI's StreamingResponse: it
+needs `receive` from before the first byte (a non-streaming request is cancelled by a disconnect too).
 """
 
 from __future__ import annotations
@@ -14,19 +17,26 @@ import contextlib
 import hmac
 import json
 import logging
+import queue
 import re
 import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from dsflash.errors import InvalidRequest, NotReady, Overloaded
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from dsflash.errors import DsflashError, InvalidRequest, NotReady, Overloaded
 from dsflash.server import routes, sse
 from dsflash.server.errors import HttpError, classify, error_frame
 from dsflash.server.metrics import Metrics
 from dsflash.server.protocol import ServedModel
-from dsflash.server.routes import ROUTES, Generation, Reply
-from dsflash.service.api import GAUGES, Delta
+from dsflash.server.routes import Generation
+from dsflash.service.api import GAUGES, PREFIX_METRICS, Delta
 from dsflash.text.chat import ChatOptions
 
 if TYPE_CHECKING:
@@ -53,17 +63,20 @@ class App:
         api_key: str | None = None,
         max_body: int = MAX_BODY,
         shutdown_grace: float = 5.0,
+        allowed_origins: tuple[str, ...] = (),
+        revision: str | None = None,
     ):
         self.model_id, self.aliases, self.chat_defaults = model_id, tuple(aliases), chat_defaults or ChatOptions()
-        self.root, self.max_body, self.grace = root or model_id, max_body, shutdown_grace
+        self.root, self.max_body, self.grace, self.revision = root or model_id, max_body, shutdown_grace, revision
         self.api_key = api_key.encode() if api_key else None
         self.state = "loading"  # loading | ready | draining | failed
         self.served: ServedModel | None = None  # what requests are checked against, from the attached service
         self.generator: Generator | None = None
         self.created = int(time.time())
-        self.metrics = Metrics(model_id, self._gauges)
+        self.metrics = Metrics(model_id, self._gauges, self._prefix_stats)
         self.jobs: set[_Job] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.api = self._build(tuple(allowed_origins))
 
     # ---- lifecycle ----------------------------------------------------------------------------------------------
     def attach(self, generator: Generator) -> None:
@@ -105,84 +118,101 @@ class App:
         gauges = gen.gauges() if gen is not None else dict.fromkeys(GAUGES, 0)
         return {**gauges, "ready": 1 if self.state == "ready" else 0}
 
+    def _prefix_stats(self) -> dict[str, float]:
+        gen = self.generator
+        return gen.prefix_stats() if gen is not None else dict.fromkeys(PREFIX_METRICS, 0)
+
     # ---- ASGI ---------------------------------------------------------------------------------------------------
+    def _build(self, origins: tuple[str, ...]) -> FastAPI:
+        # our own /openapi.json (503 while loading, the served model's facts); no /docs: it loads assets from a CDN
+        api = FastAPI(title="dsflash", openapi_url=None, docs_url=None, redoc_url=None)
+        routes.install(api, self)
+        api.add_exception_handler(DsflashError, self._on_error)
+        api.add_exception_handler(StarletteHTTPException, self._on_http_error)
+        api.add_exception_handler(ClientDisconnect, _on_gone)
+        api.add_exception_handler(Exception, self._on_error)  # every error leaves as an OpenAI envelope
+        if origins:
+            wild = "*" in origins
+            api.add_middleware(
+                CORSMiddleware,
+                allow_origins=["*"] if wild else list(origins),
+                allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+                allow_headers=["*"],
+                # a wildcard origin with credentials would let any page use a browser's cookies; bearer keys only
+                allow_credentials=not wild,
+                expose_headers=["Retry-After"],
+            )
+        return api
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
             return await _lifespan(receive, send)
         if scope["type"] != "http":
             return
         self.loop = self.loop or asyncio.get_running_loop()
-        try:
-            work = await self._dispatch(scope, receive)
-        except _ClientGone:
-            return
-        except Exception as e:  # every error leaves as an OpenAI envelope, never as a dropped connection
-            work = self._error_reply(e, f"{scope.get('method')} {scope.get('path')}")
-            endpoint = _ENDPOINTS.get(scope["path"])
-            if endpoint is not None:
-                self.metrics.record(endpoint, _outcome(e, work.status), None, None)
-        if isinstance(work, Generation):
-            await self._generate(work, receive, send)
+        await self.api(scope, receive, send)
+
+    async def _on_error(self, request: Request, exc: Exception) -> Response:
+        reply = self._error_reply(exc, f"{request.method} {request.scope['path']}")
+        endpoint = _ENDPOINTS.get(request.scope["path"])
+        if endpoint is not None:
+            self.metrics.record(endpoint, _outcome(exc, reply.status_code), None, None)
+        return reply
+
+    async def _on_http_error(self, request: Request, exc: StarletteHTTPException) -> Response:
+        """Routing's own errors (no such path, wrong method) in the OpenAI envelope."""
+        method, path = request.method, request.scope["path"]
+        if exc.status_code == 405:
+            allowed = routes.methods_of(self.api, path)
+            use = "GET" if "GET" in allowed else ", ".join(sorted(allowed))
+            err = HttpError(
+                "method", f"{method} is not allowed on {path} (use {use})", allow=", ".join(sorted(allowed))
+            )
+        elif exc.status_code == 404:
+            err = HttpError("not_found", f"Invalid URL ({method} {path})")
         else:
-            await _send(send, work)
+            err = HttpError("bad_json", str(exc.detail))
+        return self._error_reply(err, f"{method} {path}")
 
-    async def _dispatch(self, scope, receive) -> Reply | Generation:
-        method, path = scope["method"], scope["path"]
-        route = ROUTES.get(path)
-        if route is None and path.startswith("/v1/models/"):
-            if method not in ("GET", "HEAD"):
-                raise HttpError("method", f"{method} is not allowed on {path} (use GET)", allow="GET, HEAD")
-            self._authorize(scope)
-            return routes.model(self, path[len("/v1/models/") :])
-        if route is None:
-            raise HttpError("not_found", f"Invalid URL ({method} {path})")
-        if method != route.method and not (method == "HEAD" and route.method == "GET"):  # HEAD: GET's headers
-            allow = "GET, HEAD" if route.method == "GET" else route.method
-            raise HttpError("method", f"{method} is not allowed on {path} (use {route.method})", allow=allow)
-        if route.auth:
-            self._authorize(scope)
-        body = await self._read_json(scope, receive) if method == "POST" else None
-        return route.handler(self, body)
-
-    def _authorize(self, scope) -> None:
+    def authorize(self, request: Request) -> None:
         if self.api_key is None:
             return
-        got = dict(scope["headers"]).get(b"authorization", b"")
+        got = request.headers.get("authorization", "").encode()
         scheme, _, token = got.partition(b" ")
         # compare_digest: the time taken does not reveal how much of the key matched
         if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
             raise HttpError("unauthorized", "Incorrect or missing API key (send Authorization: Bearer <key>)")
 
-    async def _read_json(self, scope, receive):
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length")
+    def ready_generator(self) -> Generator:
+        """The service, or NotReady (503) while loading or after shutdown began."""
+        if self.generator is None:
+            raise NotReady("the model is still loading" if self.state == "loading" else f"the server is {self.state}")
+        return self.generator
+
+    async def read_json(self, request: Request):
+        """The body as JSON, within the size cap (checked on Content-Length and again while reading)."""
+        length = request.headers.get("content-length")
         if length is not None:
             if not length.isdigit():
                 raise HttpError("bad_json", "invalid Content-Length")
             if int(length) > self.max_body:
                 raise HttpError("too_large", f"the request body is {int(length)} bytes; the limit is {self.max_body}")
         chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = msg.get("body", b"")
+        async for chunk in request.stream():
             size += len(chunk)
             if size > self.max_body:
                 raise HttpError("too_large", f"the request body exceeds the limit of {self.max_body} bytes")
             chunks.append(chunk)
-            if not msg.get("more_body"):
-                break
         return parse_json(b"".join(chunks))
 
-    def _error_reply(self, exc: Exception, where: str) -> Reply:
+    def _error_reply(self, exc: Exception, where: str) -> Response:
         status, body, headers = classify(exc)
         if status == 500:  # unexpected; a 503 (still loading, draining, engine gone) is an answer, not a fault
             log.error("internal error in %s", where, exc_info=exc)
-        return Reply(status, sse.dumps(body), headers=[(k.encode(), v.encode()) for k, v in headers])
+        return Response(sse.dumps(body), status, headers=dict(headers), media_type="application/json")
 
     # ---- generation ---------------------------------------------------------------------------------------------
-    async def _generate(self, work: Generation, receive, send) -> None:
+    async def generate(self, work: Generation, scope, receive, send) -> None:
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -194,10 +224,10 @@ class App:
             kind, value = await queue.get()
             if kind == "error":
                 reply = self._error_reply(value, work.meta.id)
-                status = reply.status
-                await _send(send, reply)
+                status = reply.status_code
+                await reply(scope, receive, send)
             elif kind == "body":
-                await _send(send, Reply(200, value))
+                await Response(value, 200, media_type="application/json")(scope, receive, send)
             else:
                 await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
                 await self._pump(queue, send, job)
@@ -210,16 +240,30 @@ class App:
             self._account(job, status, time.perf_counter() - t0)
 
     async def _pump(self, queue: asyncio.Queue, send, job: _Job) -> None:
-        """Forward the worker's SSE frames; a comment ping keeps a quiet stream (long prefill) alive."""
-        while True:
-            try:
-                kind, value = await asyncio.wait_for(queue.get(), PING_INTERVAL)
-            except TimeoutError:
-                kind, value = "frame", sse.PING
-            if kind == "end":
-                break
-            if not job.disconnected:
-                await send({"type": "http.response.body", "body": value, "more_body": True})
+        """Forward the worker's SSE frames, those ready together in one write; a comment ping keeps a quiet stream
+        (long prefill) alive. The ping is a timer re-armed per write, not a timeout per frame (asyncio.wait_for
+        makes a task each time: a cost per streamed token)."""
+        loop = asyncio.get_running_loop()
+        ping = loop.call_later(PING_INTERVAL, queue.put_nowait, ("frame", sse.PING))
+        try:
+            end = False
+            while not end:
+                chunks = []
+                kind, value = await queue.get()
+                while True:
+                    if kind == "end":
+                        end = True
+                        break
+                    chunks.append(value)
+                    if queue.empty():
+                        break
+                    kind, value = queue.get_nowait()
+                ping.cancel()
+                ping = loop.call_later(PING_INTERVAL, queue.put_nowait, ("frame", sse.PING))
+                if chunks and not job.disconnected:
+                    await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
+        finally:
+            ping.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _account(self, job: _Job, status: int, e2e: float) -> None:
@@ -245,8 +289,43 @@ def _outcome(exc: BaseException | None, status: int) -> str:
     return "invalid" if 400 <= status < 500 else "error"
 
 
-class _ClientGone(Exception):
-    """The client closed the connection before its request body arrived."""
+class _Workers:
+    """Daemon threads that run generation jobs, kept between requests: starting a thread per request cost ~2 ms of
+    TTFT (Thread.start waits for the new thread, whose bootstrap contends for the GIL with the event loop). A job is
+    handed to an idle thread, or to a new one when none is idle; daemon, so that a job stuck in an engine that is
+    gone cannot hold up the process's exit."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._jobs.put(fn)
+        if spawn:
+            threading.Thread(target=self._loop, name="dsflash-req", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except BaseException:  # a job reports its own errors; this thread must stay for the next one
+                log.exception("a request's worker failed")
+            with self._lock:
+                self._idle += 1
+
+
+_WORKERS = _Workers()
+
+
+async def _on_gone(request: Request, exc: Exception) -> Response:
+    """The client closed the connection before its request body arrived: nobody reads this answer."""
+    return Response(b"", 400)
 
 
 class _Job:
@@ -259,7 +338,7 @@ class _Job:
         self.early_error: BaseException | None = None  # failed before: the response is an HTTP error
         self.cancel_reason: str | None = None  # disconnect | shutdown
         self._lock = threading.Lock()
-        threading.Thread(target=self._run, name=f"dsflash-req-{work.meta.id[-8:]}", daemon=True).start()
+        _WORKERS.submit(self._run)
 
     @property
     def running(self) -> bool:
@@ -336,12 +415,6 @@ async def _watch_disconnect(receive, job: _Job) -> None:
 def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> None:
     with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone, nobody is waiting
         loop.call_soon_threadsafe(queue.put_nowait, item)
-
-
-async def _send(send, reply: Reply) -> None:
-    headers = [(b"content-type", reply.content_type), (b"content-length", str(len(reply.body)).encode())]
-    await send({"type": "http.response.start", "status": reply.status, "headers": headers + reply.headers})
-    await send({"type": "http.response.body", "body": reply.body})
 
 
 async def _lifespan(receive, send) -> None:

@@ -1,107 +1,128 @@
-"""Prometheus text exposition of the server's counters: requests by outcome, queue, latency, tokens, experts."""
+"""/metrics through prometheus_client: requests by outcome, latency histograms, tokens, expert counters, the live
+gauges (queue, running, ready), the prefix cache's counters and the process's own metrics.
+
+One registry per App (not the global one): two Apps in one process (tests) never share or double-register series.
+"""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from dsflash.counters import PROMETHEUS
-from dsflash.service.api import RequestStats
+from dsflash.service.api import PREFIX_METRICS, RequestStats
 
 OUTCOMES = ("ok", "cancelled", "rejected", "invalid", "error")
+ENDPOINTS = ("chat", "completion")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 P = "dsflash:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # generate_latest's format
+
+# a <name>_created sample per series doubles the page and no dashboard of ours reads it (vLLM turns it off too)
+prometheus_client.disable_created_metrics()
 
 
-class _Histogram:
-    def __init__(self, buckets: tuple[float, ...]):
-        self.buckets, self.counts, self.sum, self.n = buckets, [0] * len(buckets), 0.0, 0
+class _Live:
+    """Values read when scraped (the engine's gauges, the prefix cache's stats), not kept here."""
 
-    def observe(self, v: float) -> None:
-        self.sum += v
-        self.n += 1
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
+    def __init__(self, model: str, gauges: Callable[[], dict[str, float]], prefix: Callable[[], dict[str, float]]):
+        self.model, self.gauges, self.prefix = model, gauges, prefix
 
-    def lines(self, name: str, labels: str) -> list[str]:
-        out = [f'{name}_bucket{{{labels}le="{b:g}"}} {c}' for b, c in zip(self.buckets, self.counts)]
-        out.append(f'{name}_bucket{{{labels}le="+Inf"}} {self.n}')
-        return out + [
-            f"{name}_sum{{{labels.rstrip(',')}}} {self.sum:.6f}",
-            f"{name}_count{{{labels.rstrip(',')}}} {self.n}",
-        ]
+    def collect(self):
+        for name, value in sorted(self.gauges().items()):
+            g = GaugeMetricFamily(P + name, name.replace("_", " ") + ".", labels=["model_name"])
+            g.add_metric([self.model], value)
+            yield g
+        stats = self.prefix()
+        for name, (kind, text) in PREFIX_METRICS.items():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            # CounterMetricFamily appends _total itself
+            m = family(P + (name.removesuffix("_total") if kind == "counter" else name), text, labels=["model_name"])
+            m.add_metric([self.model], stats.get(name, 0))
+            yield m
 
 
 class Metrics:
-    """Updated from HTTP worker threads and the event loop; rendered on GET /metrics."""
+    """Updated from HTTP worker threads and the event loop (prometheus_client locks its own values)."""
 
-    def __init__(self, model: str, gauges: Callable[[], dict[str, float]] = dict):
-        self.model, self.gauges = model, gauges
-        self._lock = threading.Lock()
-        self.requests = {(e, o): 0 for e in ("chat", "completion") for o in OUTCOMES}
-        self.ttft = _Histogram(TTFT_BUCKETS)
-        self.tpot = _Histogram(TPOT_BUCKETS)
-        self.e2e = _Histogram(E2E_BUCKETS)
-        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "hits": 0, "misses": 0, "bytes_streamed": 0}
-        self.last_tokens_per_s = 0.0
+    def __init__(
+        self,
+        model: str,
+        gauges: Callable[[], dict[str, float]] = dict,
+        prefix: Callable[[], dict[str, float]] = dict,
+    ):
+        self.model = model
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=r)
+        label = ["model_name"]
+        self.requests = Counter(
+            P + "requests",
+            "Generation requests by endpoint and outcome.",
+            ["model_name", "endpoint", "outcome"],
+            registry=r,
+        )
+        for e in ENDPOINTS:  # every series exists from the start, so rate() sees the first request
+            for o in OUTCOMES:
+                self.requests.labels(model, e, o)
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prompt tokens of requests that produced output.", label, registry=r
+        ).labels(model)
+        self.generation_tokens = Counter(P + "generation_tokens", "Generated tokens.", label, registry=r).labels(model)
+        self.experts = {
+            key: Counter(P + name.removesuffix("_total"), text, label, registry=r).labels(model)
+            for key, (name, text) in PROMETHEUS.items()
+        }
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds",
+            "Receipt to first token (queue wait + prefill).",
+            label,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.tpot = Histogram(
+            P + "time_per_output_token_seconds",
+            "Mean decode time per token after the first, per request.",
+            label,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "Receipt to last byte of completed requests.",
+            label,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        ).labels(model)
+        self.decode_speed = Gauge(
+            P + "decode_tokens_per_second",
+            "Decode speed of the last request that produced 2+ tokens.",
+            label,
+            registry=r,
+        ).labels(model)
+        r.register(_Live(model, gauges, prefix))
 
     def record(self, endpoint: str, outcome: str, stats: RequestStats | None, e2e_s: float | None) -> None:
-        with self._lock:
-            self.requests[(endpoint, outcome)] = self.requests.get((endpoint, outcome), 0) + 1
-            if e2e_s is not None and outcome == "ok":
-                self.e2e.observe(e2e_s)
-            if stats is None:
-                return
-            self.totals["prompt_tokens"] += stats.prompt_tokens if stats.completion_tokens else 0
-            self.totals["generation_tokens"] += stats.completion_tokens
-            if stats.ttft_s is not None:
-                self.ttft.observe(stats.ttft_s)
-            if stats.tokens_per_s:
-                self.tpot.observe(1.0 / stats.tokens_per_s)
-                self.last_tokens_per_s = stats.tokens_per_s
-            if stats.experts is not None:
-                for key in PROMETHEUS:
-                    self.totals[key] += getattr(stats.experts, key)
+        self.requests.labels(self.model, endpoint, outcome).inc()
+        if e2e_s is not None and outcome == "ok":
+            self.e2e.observe(e2e_s)
+        if stats is None:
+            return
+        if stats.completion_tokens:
+            self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.completion_tokens)
+        if stats.ttft_s is not None:
+            self.ttft.observe(stats.ttft_s)
+        if stats.tokens_per_s:
+            self.tpot.observe(1.0 / stats.tokens_per_s)
+            self.decode_speed.set(stats.tokens_per_s)
+        if stats.experts is not None:
+            for key, counter in self.experts.items():
+                counter.inc(getattr(stats.experts, key))
 
-    def render(self) -> str:
-        m = f'model_name="{_escape(self.model)}"'
-        lines = []
-
-        def head(name, kind, text):
-            lines.extend([f"# HELP {P}{name} {text}", f"# TYPE {P}{name} {kind}"])
-
-        with self._lock:
-            head("requests_total", "counter", "Generation requests by endpoint and outcome.")
-            for (endpoint, outcome), n in sorted(self.requests.items()):
-                lines.append(f'{P}requests_total{{{m},endpoint="{endpoint}",outcome="{outcome}"}} {n}')
-            for name, key, text in (
-                ("prompt_tokens_total", "prompt_tokens", "Prompt tokens of requests that produced output."),
-                ("generation_tokens_total", "generation_tokens", "Generated tokens."),
-                *((name, key, text) for key, (name, text) in PROMETHEUS.items()),
-            ):
-                head(name, "counter", text)
-                lines.append(f"{P}{name}{{{m}}} {self.totals[key]}")
-            for name, hist, text in (
-                ("time_to_first_token_seconds", self.ttft, "Receipt to first token (queue wait + prefill)."),
-                (
-                    "time_per_output_token_seconds",
-                    self.tpot,
-                    "Mean decode time per token after the first, per request.",
-                ),
-                ("e2e_request_latency_seconds", self.e2e, "Receipt to last byte of completed requests."),
-            ):
-                head(name, "histogram", text)
-                lines.extend(f"{P}{line}" for line in hist.lines(name, m + ","))
-            head("decode_tokens_per_second", "gauge", "Decode speed of the last request that produced 2+ tokens.")
-            lines.append(f"{P}decode_tokens_per_second{{{m}}} {self.last_tokens_per_s:.3f}")
-        for name, value in sorted(self.gauges().items()):
-            head(name, "gauge", name.replace("_", " ") + ".")
-            lines.append(f"{P}{name}{{{m}}} {value:g}")
-        return "\n".join(lines) + "\n"
-
-
-def _escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

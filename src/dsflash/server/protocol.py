@@ -1,16 +1,24 @@
-"""Request bodies -> frozen, validated requests (the only place that reads raw dicts and applies defaults).
+"""Request bodies as pydantic models (the OpenAPI document is generated from them), and their conversion to the
+service's frozen requests: the only place that reads request fields and applies defaults.
 
 Policy: wrong types and out-of-range values are a 400 naming the parameter (prompt + max_tokens against the context
-is the service's check, after templating); parameters we know but cannot honour
-(n > 1, penalties, logit_bias, structured output, forced tool choice) are a 400 rather than silently ignored;
-fields we do not know are ignored and reported back to the caller for the request log line.
+is the service's check, after templating); parameters we know but cannot honour (n > 1, penalties, logit_bias,
+structured output, forced tool choice) are a 400 rather than silently ignored; fields we do not know are accepted
+and reported back for the request log line (`extra="allow"`: they land in `model_extra`).
+
+The models are strict (no "1" -> 1, no true -> 1) because OpenAI's API is typed JSON and a coerced value hides a
+client bug; an integral float (3.0) still counts as an integer, as JSON Schema counts it. Each model parses more than
+this server supports where OpenAI defines the shape (tool_choice "required" or named, response_format json_schema),
+and the conversion refuses it: a later server that supports it changes the conversion, not the wire model.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from dsflash.errors import InvalidRequest, ModelSourceError
 from dsflash.service.api import MAX_LOGPROBS, ChatRequest, CompletionRequest, GenerationOptions
@@ -18,45 +26,215 @@ from dsflash.text.chat import ChatOptions, chat_options
 
 INT64 = 1 << 63
 MAX_STOPS = 64
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
-_COMMON = {
-    "model",
-    "stream",
-    "stream_options",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "n",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "user",
-    "logprobs",
-}
-CHAT_FIELDS = _COMMON | {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "response_format",
-    "chat_template_kwargs",
-    "reasoning_effort",
-    "thinking",
-    "functions",
-    "function_call",
-}
-COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+def _integral(value):
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[Int, Field(ge=0)]
+Logprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def _num(**bounds):
+    return Annotated[float, Field(allow_inf_nan=False, **bounds)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# ---- pieces -------------------------------------------------------------------------------------------------------
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class ContentPart(_Model):
+    """A message content part; text/chat.py decides which types the model takes (text; images on vision models)."""
+
+    type: str
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content, accepted inbound
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class FunctionDef(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Model):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatTemplateKwargs(_Closed):
+    thinking: bool | None = None
+    enable_thinking: bool | None = None
+    reasoning_effort: str | Int | None = None
+    drop_thinking: bool | None = None
+
+
+class Thinking(_Model):
+    """DeepSeek's switch; other keys (Anthropic's budget_tokens) are accepted and not used, as before."""
+
+    type: Literal["enabled", "disabled"]
+
+
+# ---- bodies -------------------------------------------------------------------------------------------------------
+class _Sampling(_Model):
+    """What chat and completions share: sampling, stopping, streaming, vLLM's extras."""
+
+    model: str | None = Field(None, description="the served model id or one of its aliases")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
+    temperature: _num(ge=0, le=2) | None = 1.0
+    top_p: _num(gt=0, le=1) | None = 1.0
+    top_k: Annotated[Int, Field(ge=-1, description="-1 or 0: off")] | None = None
+    min_p: _num(ge=0, le=1) | None = 0.0
+    seed: Annotated[Int, Field(ge=-INT64, le=INT64 - 1)] | None = None
+    n: Annotated[Int, Field(ge=1, description="only 1: one sequence at a time")] | None = 1
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Annotated[Int, Field(ge=0, description="EOS and stop_token_ids cannot end it sooner")] | None = None
+    ignore_eos: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    prompt_logprobs: Logprobs | None = Field(None, description="logprobs of each prompt token, top k alternatives")
+    presence_penalty: _num(ge=-2, le=2) | None = Field(None, description="only 0 (no repetition penalties)")
+    frequency_penalty: _num(ge=-2, le=2) | None = Field(None, description="only 0 (no repetition penalties)")
+    repetition_penalty: _num(gt=0) | None = Field(None, description="only 1 (no repetition penalties)")
+    logit_bias: dict[str, _num()] | None = Field(None, description="not supported: leave it out or send {}")
+    user: str | None = None
+    cache_salt: str | None = Field(None, description="prompt prefixes are reused only among requests with this salt")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Logprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = Field(
+        None, description="'auto' or 'none'"
+    )
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'}")
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    reasoning_effort: str | Int | None = None
+    thinking: Thinking | bool | None = None
+    functions: list[dict[str, Any]] | None = Field(None, description="deprecated by OpenAI; use tools")
+    function_call: str | dict[str, Any] | None = Field(None, description="deprecated by OpenAI; use tool_choice")
+
+
+class CompletionRequestBody(_Sampling):
+    prompt: (
+        str
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    ) = Field(description="one prompt: text, token ids, or an array holding one of those")
+    max_tokens: Annotated[Int, Field(ge=0)] | None = COMPLETION_MAX_TOKENS
+    logprobs: bool | Logprobs | None = Field(None, description="k alternatives per token; true means 1 (as vLLM)")
+    echo: bool | None = False
+    suffix: str | None = Field(None, description="not supported")
+    best_of: Annotated[Int, Field(ge=1)] | None = Field(None, description="only 1")
+
+
+class TokenizeRequestBody(_Model):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequestBody(_Model):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+BODIES = (ChatCompletionRequest, CompletionRequestBody, TokenizeRequestBody, DetokenizeRequestBody)
+
+
+# ---- validation ---------------------------------------------------------------------------------------------------
+def validate(model: type[BaseModel], body):
+    """JSON value -> model, or InvalidRequest naming the first bad parameter."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _invalid(e.errors(include_url=False)) from None
+
+
+# pydantic's loc names union members and wrappers ('str', 'list[int]', 'function-after[...]'); a param names fields
+_NOT_FIELDS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc) -> str | None:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _NOT_FIELDS or not part.replace("_", "a").isalnum() or part[0].isupper():  # a model's name
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _invalid(errors: list[dict]) -> InvalidRequest:
+    # a union reports one error per member; the one that got deepest into the value is the one the client meant
+    err = max(errors, key=lambda e: len((_param(e["loc"]) or "").replace("[", ".[").split(".")))
+    param = _param(err["loc"])
+    if err["type"] == "missing":
+        return InvalidRequest(f"{param} is required", param=param)
+    if err["type"] == "extra_forbidden":
+        return InvalidRequest(f"{param} is not a known field here", param=param)
+    msg = err["msg"].removeprefix("Value error, ")
+    got = err.get("input")
+    shown = repr(got) if isinstance(got, int | float | bool | str) and len(repr(got)) <= 40 else None
+    return InvalidRequest(f"{param}: {msg}" + (f"; got {shown}" if shown else ""), param=param)
 
 
 @dataclass(frozen=True)
@@ -69,14 +247,15 @@ class ServedModel:
     vocab_size: int
     chat_defaults: ChatOptions = ChatOptions()
 
-    def check(self, body: Mapping) -> None:
-        name = body.get("model")
-        if name is None:
-            return
-        if not isinstance(name, str):
-            raise InvalidRequest("model must be a string", param="model")
-        if name != self.model_id and name not in self.aliases:
+    def check(self, name: str | None) -> None:
+        if name is not None and name != self.model_id and name not in self.aliases:
             raise ModelSourceError(f"the model {name!r} does not exist; this server serves {self.model_id!r}")
+
+    def check_ids(self, ids, param: str) -> tuple[int, ...]:
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{param}: token ids must be in 0..{self.vocab_size - 1}; got {bad}", param=param)
+        return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -87,236 +266,108 @@ class Stream:
     include_usage: bool = False
 
 
-def unknown_fields(body: Mapping, known: set[str]) -> list[str]:
-    return sorted(k for k in body if k not in known)
+def unknown_fields(body: BaseModel) -> list[str]:
+    return sorted(body.model_extra or ())
 
 
-# ---- value readers ----------------------------------------------------------------------------------------------
-def _get(body: Mapping, key: str, default=None):
-    value = body.get(key, default)
-    return default if value is None else value
-
-
-def _bool(body: Mapping, key: str, default: bool = False) -> bool:
-    value = _get(body, key, default)
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{key} must be true or false", param=key)
-    return value
-
-
-def _is_int(value) -> bool:
-    """An integer as JSON Schema counts them: 3 and 3.0 (not true, not 3.5)."""
-    return type(value) is int or (type(value) is float and value.is_integer())
-
-
-def _int(body: Mapping, key: str, lo: int, hi: int, default: int | None = None) -> int | None:
-    value = _get(body, key, default)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise InvalidRequest(f"{key} must be an integer", param=key)
-    value = int(value)
-    if not lo <= value <= hi:
-        raise InvalidRequest(f"{key} must be in {lo}..{hi}; got {value}", param=key)
-    return value
-
-
-def _num(body: Mapping, key: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
-    value = _get(body, key, default)
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise InvalidRequest(f"{key} must be a number", param=key)
-    if not (lo < value if lo_open else lo <= value) or value > hi:
-        raise InvalidRequest(f"{key} must be in {'(' if lo_open else '['}{lo}, {hi}]; got {value}", param=key)
-    return float(value)
-
-
-def _no_logit_bias(body: Mapping) -> None:
-    value = body.get("logit_bias")
-    if value is not None and not isinstance(value, Mapping):
-        raise InvalidRequest("logit_bias must be an object", param="logit_bias")
-    if value:
-        raise InvalidRequest("logit_bias is not supported by this server", param="logit_bias")
-
-
-def _unsupported_unless(body: Mapping, key: str, neutral, what: str) -> None:
-    value = body.get(key)
-    if value is None:
-        return
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise InvalidRequest(f"{key} must be a number", param=key)
-    if value != neutral:
-        raise InvalidRequest(f"{key} is not supported by this server ({what}; send {neutral} or leave it out)", key)
-
-
-def _stops(body: Mapping) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise InvalidRequest("stop must be a string or an array of strings", param="stop")
-    if len(value) > MAX_STOPS:
-        raise InvalidRequest(f"stop takes at most {MAX_STOPS} strings", param="stop")
-    return tuple(s for s in value if s)
-
-
-def _token_ids(value, key: str, vocab: int, allow_empty: bool = True) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
-        raise InvalidRequest(f"{key} must be an array of integers", param=key)
-    if not value and not allow_empty:
-        raise InvalidRequest(f"{key} must not be empty", param=key)
-    bad = next((t for t in value if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest(f"{key}: token ids must be in 0..{vocab - 1}; got {bad}", param=key)
-    return tuple(int(t) for t in value)
-
-
-def _stream(body: Mapping) -> Stream:
-    stream = _bool(body, "stream")
-    opts = body.get("stream_options")
-    if opts is None:
-        return Stream(stream)
-    if not isinstance(opts, Mapping):
-        raise InvalidRequest("stream_options must be an object", param="stream_options")
-    if not stream:
+# ---- conversion ---------------------------------------------------------------------------------------------------
+def _stream(b: _Sampling) -> Stream:
+    if b.stream_options is not None and not b.stream:
         raise InvalidRequest("stream_options is only allowed with stream: true", param="stream_options")
-    return Stream(stream, _bool(opts, "include_usage"))
+    return Stream(bool(b.stream), bool(b.stream_options and b.stream_options.include_usage))
 
 
-def _options(body: Mapping, served: ServedModel, max_tokens: int | None, logprobs: int | None) -> GenerationOptions:
-    n = _int(body, "n", 1, 1 << 31, 1)
-    if n != 1:
+def _neutral(value, key: str, neutral) -> None:
+    if value is not None and value != neutral:
+        raise InvalidRequest(f"{key} is not supported by this server (no repetition penalties; send {neutral})", key)
+
+
+def _options(b: _Sampling, served: ServedModel, max_tokens: int | None, logprobs: int | None) -> GenerationOptions:
+    served.check(b.model)
+    if b.n not in (None, 1):
         raise InvalidRequest("n > 1 is not supported: this server runs one sequence at a time", param="n")
-    _unsupported_unless(body, "presence_penalty", 0, "no repetition penalties")
-    _unsupported_unless(body, "frequency_penalty", 0, "no repetition penalties")
-    _unsupported_unless(body, "repetition_penalty", 1, "no repetition penalties")
-    _no_logit_bias(body)
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise InvalidRequest("user must be a string", param="user")
-    top_k = _int(body, "top_k", -1, 1 << 31, 0)
-    stop_ids = body.get("stop_token_ids")
+    _neutral(b.presence_penalty, "presence_penalty", 0)
+    _neutral(b.frequency_penalty, "frequency_penalty", 0)
+    _neutral(b.repetition_penalty, "repetition_penalty", 1)
+    if b.logit_bias:
+        raise InvalidRequest("logit_bias is not supported by this server", param="logit_bias")
+    stops = (b.stop,) if isinstance(b.stop, str) else tuple(b.stop or ())
+    if max_tokens is not None and b.min_tokens is not None and b.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({b.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens")
     return GenerationOptions(
         max_tokens=max_tokens,
-        temperature=_num(body, "temperature", 0.0, 2.0, 1.0),
-        top_p=_num(body, "top_p", 0.0, 1.0, 1.0, lo_open=True),
-        top_k=max(top_k, 0),  # -1 and 0 both mean off (vLLM spells it -1)
-        min_p=_num(body, "min_p", 0.0, 1.0, 0.0),
-        seed=_int(body, "seed", -INT64, INT64 - 1),
-        stop=_stops(body),
-        stop_token_ids=() if stop_ids is None else _token_ids(stop_ids, "stop_token_ids", served.vocab_size),
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
-        ignore_eos=_bool(body, "ignore_eos"),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        temperature=1.0 if b.temperature is None else b.temperature,
+        top_p=1.0 if b.top_p is None else b.top_p,
+        top_k=max(b.top_k or 0, 0),  # -1 and 0 both mean off (vLLM spells it -1)
+        min_p=b.min_p or 0.0,
+        seed=b.seed,
+        stop=tuple(s for s in stops if s),
+        stop_token_ids=served.check_ids(b.stop_token_ids or (), "stop_token_ids"),
+        min_tokens=b.min_tokens or 0,
+        include_stop_str_in_output=bool(b.include_stop_str_in_output),
+        ignore_eos=bool(b.ignore_eos),
+        skip_special_tokens=b.skip_special_tokens is not False,
         logprobs=logprobs,
+        prompt_logprobs=b.prompt_logprobs,
     )
 
 
-def _require_object(body) -> Mapping:
-    if not isinstance(body, Mapping):
-        raise InvalidRequest("the request body must be a JSON object")
-    return body
-
-
-# ---- endpoints ----------------------------------------------------------------------------------------------------
-def _check_messages(messages) -> None:
-    """The message fields text/chat.py passes through without reading their type."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty array", param="messages")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, Mapping):
-            raise InvalidRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
-        for key in ("tool_call_id", "name", "reasoning_content", "reasoning"):
-            if msg.get(key) is not None and not isinstance(msg[key], str):
-                raise InvalidRequest(f"messages[{i}].{key} must be a string", param=f"messages[{i}].{key}")
-        calls = msg.get("tool_calls")
-        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, Mapping) for c in calls)):
-            raise InvalidRequest(f"messages[{i}].tool_calls must be an array of objects", f"messages[{i}].tool_calls")
-
-
-def parse_chat(body, served: ServedModel) -> tuple[ChatRequest, Stream]:
-    """POST /v1/chat/completions body -> (ChatRequest, how to answer)."""
-    body = _require_object(body)
-    served.check(body)
-    if "messages" not in body:
-        raise InvalidRequest("messages is required", param="messages")
-    _check_messages(body["messages"])
+def to_chat(b: ChatCompletionRequest, raw: Mapping, served: ServedModel) -> tuple[ChatRequest, Stream]:
+    """A validated chat body -> (ChatRequest, how to answer). `raw` is the JSON body: its messages and tools go to
+    the template as the client sent them."""
     for key in ("functions", "function_call"):
-        if body.get(key) is not None:
+        if getattr(b, key) is not None:
             raise InvalidRequest(f"{key} is deprecated and not supported; use tools", param=key)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
+    if b.response_format is not None and b.response_format.type != "text":
         raise InvalidRequest(
             "response_format: only {'type': 'text'} is supported (no structured output)", "response_format"
         )
-    max_tokens = _int(body, "max_completion_tokens", 1, 1 << 62)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, 1 << 62)
-    want = _bool(body, "logprobs")
-    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
-    if top and not want:
-        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
-    options = _options(body, served, max_tokens, (top or 0) if want else None)
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise InvalidRequest("tools must be an array", param="tools")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
+    if b.tool_choice is not None and b.tool_choice not in ("auto", "none"):
         raise InvalidRequest("tool_choice: only 'auto' and 'none' are supported", param="tool_choice")
-    if body.get("parallel_tool_calls") is not None:
-        _bool(body, "parallel_tool_calls")
-    effort = body.get("reasoning_effort")
-    if effort is not None and (type(effort) not in (str, int)):
-        raise InvalidRequest("reasoning_effort must be a string or an integer", param="reasoning_effort")
-    chat = chat_options(
-        body.get("chat_template_kwargs"),
-        reasoning_effort=effort,
-        thinking=body.get("thinking"),
-        defaults=served.chat_defaults,
-    )
+    max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+    if b.top_logprobs and not b.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    options = _options(b, served, max_tokens, (b.top_logprobs or 0) if b.logprobs else None)
+    kw = b.chat_template_kwargs.model_dump(exclude_none=True) if b.chat_template_kwargs is not None else None
+    thinking = {"type": b.thinking.type} if isinstance(b.thinking, Thinking) else b.thinking
+    chat = chat_options(kw, reasoning_effort=b.reasoning_effort, thinking=thinking, defaults=served.chat_defaults)
     req = ChatRequest(
-        messages=body["messages"],
+        messages=raw["messages"],
         options=options,
         chat=chat,
-        tools=tools or None,
-        tool_choice=choice or "auto",
+        tools=raw.get("tools") or None,
+        tool_choice=b.tool_choice or "auto",
+        cache_salt=b.cache_salt,
     )
-    return req, _stream(body)
+    return req, _stream(b)
 
 
-def parse_completion(body, served: ServedModel) -> tuple[CompletionRequest, Stream]:
-    """POST /v1/completions body -> (CompletionRequest, how to answer)."""
-    body = _require_object(body)
-    served.check(body)
-    if "prompt" not in body:
-        raise InvalidRequest("prompt is required", param="prompt")
-    prompt = _prompt(body["prompt"], served.vocab_size)
-    suffix = body.get("suffix")
-    if suffix is not None and (not isinstance(suffix, str) or suffix):
+def to_completion(b: CompletionRequestBody, served: ServedModel) -> tuple[CompletionRequest, Stream]:
+    """A validated completions body -> (CompletionRequest, how to answer)."""
+    prompt = _prompt(b.prompt, served)
+    if b.suffix:
         raise InvalidRequest("suffix is not supported by this server", param="suffix")
-    if _int(body, "best_of", 1, 1 << 31, 1) != 1:
+    if b.best_of not in (None, 1):
         raise InvalidRequest("best_of > 1 is not supported", param="best_of")
-    max_tokens = _int(body, "max_tokens", 0, 1 << 62, 16)
-    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS)
-    options = _options(body, served, max_tokens, logprobs)
-    return CompletionRequest(prompt, options, echo=_bool(body, "echo")), _stream(body)
+    logprobs = b.logprobs
+    if isinstance(logprobs, bool):  # vLLM reads true as 1 alternative; false is off
+        logprobs = 1 if logprobs else None
+    max_tokens = COMPLETION_MAX_TOKENS if b.max_tokens is None else b.max_tokens
+    options = _options(b, served, max_tokens, logprobs)
+    req = CompletionRequest(prompt, options, echo=bool(b.echo), cache_salt=b.cache_salt)
+    return req, _stream(b)
 
 
-def _prompt(value, vocab: int, nested: bool = False) -> str | tuple[int, ...]:
-    """str | [str] | [int] | [[int]] with one prompt; a batch of several is a 400 (one sequence at a time)."""
-    if isinstance(value, str) and not nested:
+def _prompt(value, served: ServedModel) -> str | tuple[int, ...]:
+    """One prompt of str | [int] | [str] | [[int]]; a batch of several is a 400 (one sequence at a time)."""
+    if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
-        return _token_ids(value, "prompt", vocab)
-    if nested:
-        raise InvalidRequest("prompt: [[...]] must hold token ids", "prompt")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
-    if isinstance(value, list) and len(value) == 1:
-        return _prompt(value[0], vocab, nested=True)
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
+    if len(value) > 1 and not isinstance(value[0], int):
         raise InvalidRequest("batched prompts are not supported: send one prompt per request", param="prompt")
-    raise InvalidRequest("prompt must be a string, an array of token ids, or an array with one of those", "prompt")
+    first = value[0]
+    if isinstance(first, str):
+        return first
+    return served.check_ids(first if isinstance(first, list) else value, "prompt")
 
 
 @dataclass(frozen=True)
@@ -329,30 +380,21 @@ class TokenizeRequest:
     return_token_strs: bool = False
 
 
-def parse_tokenize(body, served: ServedModel) -> TokenizeRequest:
+def to_tokenize(b: TokenizeRequestBody, raw: Mapping, served: ServedModel) -> TokenizeRequest:
     """POST /tokenize: {"prompt": str} or {"messages": [...]} (rendered with the chat template)."""
-    body = _require_object(body)
-    served.check(body)
-    strs = _bool(body, "return_token_strs")
-    add = _bool(body, "add_special_tokens", True)
-    if body.get("prompt") is not None and not isinstance(body["prompt"], str):
-        raise InvalidRequest("prompt must be a string", param="prompt")
-    if "messages" in body and body["messages"] is not None:
-        _check_messages(body["messages"])
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise InvalidRequest("tools must be an array", param="tools")
-        chat = chat_options(body.get("chat_template_kwargs"), defaults=served.chat_defaults)
-        return TokenizeRequest(messages=body["messages"], tools=tools, chat=chat, return_token_strs=strs)
-    if not isinstance(body.get("prompt"), str):
+    served.check(b.model)
+    strs = bool(b.return_token_strs)
+    if b.messages is not None:
+        kw = b.chat_template_kwargs.model_dump(exclude_none=True) if b.chat_template_kwargs is not None else None
+        chat = chat_options(kw, defaults=served.chat_defaults)
+        return TokenizeRequest(messages=raw["messages"], tools=raw.get("tools"), chat=chat, return_token_strs=strs)
+    if b.prompt is None:
         raise InvalidRequest("prompt must be a string (or send messages)", param="prompt")
-    return TokenizeRequest(prompt=body["prompt"], add_special_tokens=add, return_token_strs=strs)
+    return TokenizeRequest(
+        prompt=b.prompt, add_special_tokens=b.add_special_tokens is not False, return_token_strs=strs
+    )
 
 
-def parse_detokenize(body, served: ServedModel) -> tuple[int, ...]:
-    """POST /detokenize: {"tokens": [int]}."""
-    body = _require_object(body)
-    served.check(body)
-    if "tokens" not in body:
-        raise InvalidRequest("tokens is required", param="tokens")
-    return _token_ids(body["tokens"], "tokens", served.vocab_size)
+def to_detokenize(b: DetokenizeRequestBody, served: ServedModel) -> tuple[int, ...]:
+    served.check(b.model)
+    return served.check_ids(b.tokens, "tokens")

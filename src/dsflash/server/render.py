@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from dsflash.service.api import Delta, TokenLogprob, Usage
+from dsflash.service.api import Delta, PromptLogprob, TokenLogprob, Usage
 
 LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for "very unlikely"; JSON has no -Infinity
 
@@ -69,6 +69,15 @@ def completion_logprobs(entries) -> dict:
     }
 
 
+def prompt_logprobs_json(positions) -> list:
+    """vLLM's shape: per prompt position None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    return [None if p is None else {str(e.token_id): _prompt_entry(e) for e in p} for p in positions]
+
+
+def _prompt_entry(e: PromptLogprob) -> dict:
+    return {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": e.token}
+
+
 @dataclass
 class Meta:
     """The fields every object of one response shares."""
@@ -77,6 +86,7 @@ class Meta:
     kind: str  # chat | completion
     logprobs: bool = False
     include_usage: bool = False
+    prompt_logprobs: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -90,11 +100,17 @@ class Meta:
 # ---- streaming --------------------------------------------------------------------------------------------------
 def stream_chat(deltas: Iterator[Delta], meta: Meta) -> Iterator[dict]:
     """chat.completion.chunk objects: role chunk at the first token, deltas, finish chunk, optional usage chunk."""
-    started = False
+    started, prompt_lp = False, None
     for d in deltas:
+        if d.prompt_logprobs is not None:  # vLLM sends them at the top of the first chunk
+            prompt_lp = prompt_logprobs_json(d.prompt_logprobs)
+            continue
         if not started:
             started = True
-            yield _chat_chunk(meta, {"role": "assistant", "content": ""})
+            first = _chat_chunk(meta, {"role": "assistant", "content": ""})
+            if prompt_lp is not None:
+                first["prompt_logprobs"] = prompt_lp
+            yield first
             if d.kind == "start":
                 continue
         if d.finish_reason is not None:
@@ -123,12 +139,19 @@ def _chat_chunk(meta: Meta, delta: dict, finish: str | None = None, logprobs=())
 
 def stream_completion(deltas: Iterator[Delta], meta: Meta) -> Iterator[dict]:
     """text_completion chunks: the echoed prompt, one per text delta, the finish chunk, optional usage chunk."""
+    prompt_lp = None
     for d in deltas:
+        if d.prompt_logprobs is not None:  # on the choice of the first chunk, as vLLM
+            prompt_lp = prompt_logprobs_json(d.prompt_logprobs)
+            continue
         if d.kind == "start":
             continue
         if d.finish_reason is None and not d.text and not d.logprobs:
             continue
-        yield _completion_chunk(meta, d.text, d.finish_reason, d.logprobs)
+        chunk = _completion_chunk(meta, d.text, d.finish_reason, d.logprobs)
+        if prompt_lp is not None:
+            chunk["choices"][0]["prompt_logprobs"], prompt_lp = prompt_lp, None
+        yield chunk
         if d.finish_reason is not None:
             if meta.include_usage and d.usage is not None:
                 yield {**meta.head("text_completion"), "choices": [], "usage": usage_json(d.usage)}
@@ -150,10 +173,12 @@ def _completion_chunk(meta: Meta, text: str, finish: str | None, logprobs) -> di
 def full_chat(deltas: Iterator[Delta], meta: Meta) -> dict:
     """The same deltas folded into one chat.completion."""
     reasoning, content, calls, entries = [], [], [], []
-    finish, usage = None, None
+    finish, usage, prompt_lp = None, None, None
     saw_reasoning = False
     for d in deltas:
         entries.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            prompt_lp = prompt_logprobs_json(d.prompt_logprobs)
         if d.kind == "reasoning":
             saw_reasoning = True
             reasoning.append(d.text)
@@ -177,19 +202,26 @@ def full_chat(deltas: Iterator[Delta], meta: Meta) -> dict:
         "logprobs": chat_logprobs(entries) if meta.logprobs else None,
         "finish_reason": finish,
     }
-    return {**meta.head("chat.completion"), "choices": [choice], "usage": usage_json(usage) if usage else None}
+    out = {**meta.head("chat.completion"), "choices": [choice], "usage": usage_json(usage) if usage else None}
+    if prompt_lp is not None:
+        out["prompt_logprobs"] = prompt_lp
+    return out
 
 
 def full_completion(deltas: Iterator[Delta], meta: Meta) -> dict:
     """The same deltas folded into one text_completion (echoed prompt first)."""
     text, entries = [], []
-    finish, usage = None, None
+    finish, usage, prompt_lp = None, None, None
     for d in deltas:
         entries.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            prompt_lp = prompt_logprobs_json(d.prompt_logprobs)
         if d.kind in ("prompt", "content"):
             text.append(d.text)
         if d.finish_reason is not None:
             finish, usage = d.finish_reason, d.usage
     lp = completion_logprobs(entries) if meta.logprobs else None
     choice = {"index": 0, "text": "".join(text), "logprobs": lp, "finish_reason": finish}
+    if prompt_lp is not None:
+        choice["prompt_logprobs"] = prompt_lp
     return {**meta.head("text_completion"), "choices": [choice], "usage": usage_json(usage) if usage else None}

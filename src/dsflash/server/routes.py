@@ -1,33 +1,36 @@
-"""Handlers: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /metrics.
+"""The routes: /v1/models, /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /tokenizer_info, /version,
+/health, /metrics, /openapi.json, bound to one App.
 
-A handler takes the app and the parsed body and returns a Reply (one response) or a Generation (which app.py runs
-on a worker thread, streamed or folded). Handlers never see HTTP details beyond that.
+An endpoint reads its body itself (app.read_json: the size cap, our JSON errors, no content-type guessing) and
+validates it with its pydantic model (protocol.py); the OpenAPI document names the same models (openapi.py), so what
+is documented is what is checked. Generation endpoints return a GenerationResponse, which app.py runs on a worker
+thread, streamed or folded.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from dsflash import __version__
 from dsflash.errors import ModelSourceError, NotReady
-from dsflash.server import protocol, render, sse
-from dsflash.server.openapi import openapi
+from dsflash.server import openapi, protocol, render, responses, sse
+from dsflash.server.metrics import CONTENT_TYPE
 from dsflash.server.protocol import Stream
 from dsflash.server.render import Meta
 from dsflash.service.api import ChatRequest, CompletionRequest
 from dsflash.text.detokenizer import token_text
 
-
-@dataclass
-class Reply:
-    status: int
-    body: bytes
-    content_type: bytes = b"application/json"
-    headers: list = field(default_factory=list)
+if TYPE_CHECKING:
+    from dsflash.server.app import App
 
 
-def json_reply(obj, status: int = 200) -> Reply:
-    return Reply(status, sse.dumps(obj))
+def json_reply(obj, status: int = 200) -> Response:
+    return Response(sse.dumps(obj), status, media_type="application/json")
 
 
 @dataclass
@@ -54,13 +57,18 @@ class Generation:
         return fn(deltas, self.meta)
 
 
-def _served(app):
-    if app.generator is None:
-        raise NotReady("the model is still loading" if app.state == "loading" else f"the server is {app.state}")
-    return app.generator
+class GenerationResponse(Response):
+    """What a generation endpoint returns: the app runs the request when Starlette sends this response."""
+
+    def __init__(self, app: App, work: Generation):
+        self.app, self.work = app, work
+        self.background, self.status_code = None, 200  # what FastAPI reads of a returned Response
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app.generate(self.work, scope, receive, send)
 
 
-def _card(app) -> dict:
+def _card(app: App) -> dict:
     s = app.served
     return {
         "id": s.model_id,
@@ -73,90 +81,165 @@ def _card(app) -> dict:
     }
 
 
-def models(app, body) -> Reply:
-    _served(app)  # 503 until loaded: a listed model is a model that answers
-    return json_reply({"object": "list", "data": [_card(app)]})
-
-
-def model(app, name: str) -> Reply:
-    """GET /v1/models/{name}: the card, under the id or any alias."""
-    _served(app)
-    if name != app.served.model_id and name not in app.served.aliases:
-        raise ModelSourceError(f"the model {name!r} does not exist; this server serves {app.served.model_id!r}")
-    return json_reply(_card(app))
-
-
-def chat(app, body) -> Generation:
-    return _generation(app, body, "chat", protocol.parse_chat, protocol.CHAT_FIELDS)
-
-
-def completion(app, body) -> Generation:
-    return _generation(app, body, "completion", protocol.parse_completion, protocol.COMPLETION_FIELDS)
-
-
-def _generation(app, body, kind: str, parse, fields) -> Generation:
-    _served(app)
-    req, stream = parse(body, app.served)
-    logprobs = req.options.logprobs is not None
-    meta = Meta(app.served.model_id, kind, logprobs=logprobs, include_usage=stream.include_usage)
-    req = _with_id(req, meta.id)
-    return Generation(kind, req, stream, meta, protocol.unknown_fields(body, fields))
-
-
-def _with_id(req, request_id: str):
-    return replace(req, request_id=request_id)
-
-
-def tokenize(app, body) -> Reply:
-    gen = _served(app)
-    t = protocol.parse_tokenize(body, app.served)
-    if t.messages is not None:
-        ids = gen.chat_prompt(ChatRequest(t.messages, chat=t.chat, tools=t.tools))
+def _generation(app: App, kind: str, body, raw) -> Generation:
+    if kind == "chat":
+        req, stream = protocol.to_chat(body, raw, app.served)
     else:
-        ids = gen.text_prompt(t.prompt, t.add_special_tokens)
-    out = {"count": len(ids), "max_model_len": app.served.max_len, "tokens": ids}
-    if t.return_token_strs:
-        out["token_strs"] = [token_text(gen.tokenizer, i) for i in ids]
-    return json_reply(out)
-
-
-def detokenize(app, body) -> Reply:
-    gen = _served(app)
-    ids = protocol.parse_detokenize(body, app.served)
-    return json_reply({"prompt": gen.detokenize(list(ids))})
-
-
-def health(app, body) -> Reply:
-    if app.state != "ready":
-        raise NotReady("the model is still loading" if app.state == "loading" else f"the server is {app.state}")
-    return json_reply({"status": "ok"})
-
-
-def metrics(app, body) -> Reply:
-    return Reply(200, app.metrics.render().encode(), b"text/plain; version=0.0.4; charset=utf-8")
-
-
-def schema(app, body) -> Reply:
-    _served(app)  # the document states the model's context and vocabulary: 503 until they are known
-    return json_reply(openapi(app.served, auth=app.api_key is not None))
+        req, stream = protocol.to_completion(body, app.served)
+    opts = req.options
+    meta = Meta(
+        app.served.model_id,
+        kind,
+        logprobs=opts.logprobs is not None,
+        include_usage=stream.include_usage,
+        prompt_logprobs=opts.prompt_logprobs is not None,
+    )
+    return Generation(kind, replace(req, request_id=meta.id), stream, meta, protocol.unknown_fields(body))
 
 
 @dataclass(frozen=True)
-class Route:
-    method: str
-    handler: Callable
-    auth: bool = True  # needs the API key when one is set
+class _Doc:
+    """How a route appears in /openapi.json."""
+
+    summary: str
+    ok: type | None = None  # the 200 body's model
+    body: type | None = None  # the request body's model
+    stream: bool = False  # also answers text/event-stream
+    errors: tuple[int, ...] = (503,)
+    media: str = "application/json"
 
 
-ROUTES: dict[str, Route] = {
-    "/v1/models": Route("GET", models),
-    "/v1/chat/completions": Route("POST", chat),
-    "/v1/completions": Route("POST", completion),
-    "/tokenize": Route("POST", tokenize),
-    "/detokenize": Route("POST", detokenize),
-    "/v1/tokenize": Route("POST", tokenize),
-    "/v1/detokenize": Route("POST", detokenize),
-    "/health": Route("GET", health, auth=False),
-    "/metrics": Route("GET", metrics, auth=False),
-    "/openapi.json": Route("GET", schema, auth=False),
-}
+def install(api: FastAPI, app: App) -> None:
+    """Bind every route to `app`."""
+
+    async def models(request: Request) -> Response:
+        app.authorize(request)
+        app.ready_generator()  # 503 until loaded: a listed model is a model that answers
+        return json_reply({"object": "list", "data": [_card(app)]})
+
+    async def model(request: Request, name: str) -> Response:
+        app.authorize(request)
+        app.ready_generator()
+        if name != app.served.model_id and name not in app.served.aliases:
+            raise ModelSourceError(f"the model {name!r} does not exist; this server serves {app.served.model_id!r}")
+        return json_reply(_card(app))
+
+    def generation(kind: str, model_type):
+        async def endpoint(request: Request) -> Response:
+            app.authorize(request)
+            app.ready_generator()
+            raw = await app.read_json(request)
+            body = protocol.validate(model_type, raw)
+            return GenerationResponse(app, _generation(app, kind, body, raw))
+
+        return endpoint
+
+    async def tokenize(request: Request) -> Response:
+        app.authorize(request)
+        gen = app.ready_generator()
+        raw = await app.read_json(request)
+        t = protocol.to_tokenize(protocol.validate(protocol.TokenizeRequestBody, raw), raw, app.served)
+        if t.messages is not None:
+            ids = gen.chat_prompt(ChatRequest(t.messages, chat=t.chat, tools=t.tools))
+        else:
+            ids = gen.text_prompt(t.prompt, t.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": app.served.max_len, "tokens": ids}
+        if t.return_token_strs:
+            out["token_strs"] = [token_text(gen.tokenizer, i) for i in ids]
+        return json_reply(out)
+
+    async def detokenize(request: Request) -> Response:
+        app.authorize(request)
+        gen = app.ready_generator()
+        raw = await app.read_json(request)
+        ids = protocol.to_detokenize(protocol.validate(protocol.DetokenizeRequestBody, raw), app.served)
+        return json_reply({"prompt": gen.detokenize(list(ids))})
+
+    async def tokenizer_info(request: Request) -> Response:
+        app.authorize(request)
+        gen = app.ready_generator()
+        return json_reply(gen.tokenizer_info())
+
+    async def version(request: Request) -> Response:
+        return json_reply({"version": __version__, "model": app.model_id, "revision": app.revision})
+
+    async def health(request: Request) -> Response:
+        if app.state != "ready":
+            raise NotReady("the model is still loading" if app.state == "loading" else f"the server is {app.state}")
+        return json_reply({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        return Response(app.metrics.render(), 200, media_type=CONTENT_TYPE)
+
+    built: list[bytes] = []  # the document, once: the served model does not change after attach
+
+    async def schema(request: Request) -> Response:
+        app.ready_generator()  # the document states the model's context and vocabulary: 503 until they are known
+        if not built:
+            built.append(sse.dumps(openapi.document(api, app.served, auth=app.api_key is not None)))
+        return Response(built[0], 200, media_type="application/json")
+
+    gen_errors = (400, 404, 413, 429, 503)
+    table: list[tuple[str, str, Callable, _Doc]] = [
+        ("GET", "/v1/models", models, _Doc("the served model", responses.ModelList)),
+        ("GET", "/v1/models/{name:path}", model, _Doc("a model card", responses.ModelCard, errors=(404, 503))),
+        (
+            "POST",
+            "/v1/chat/completions",
+            generation("chat", protocol.ChatCompletionRequest),
+            _Doc("chat completion", responses.ChatCompletionResponse, protocol.ChatCompletionRequest, True, gen_errors),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            generation("completion", protocol.CompletionRequestBody),
+            _Doc("text completion", responses.CompletionResponse, protocol.CompletionRequestBody, True, gen_errors),
+        ),
+        (
+            "POST",
+            "/tokenize",
+            tokenize,
+            _Doc("prompt -> token ids", responses.TokenizeResponse, protocol.TokenizeRequestBody, errors=gen_errors),
+        ),
+        (
+            "POST",
+            "/detokenize",
+            detokenize,
+            _Doc("token ids -> text", responses.DetokenizeResponse, protocol.DetokenizeRequestBody, errors=gen_errors),
+        ),
+        ("POST", "/v1/tokenize", tokenize, _Doc("")),
+        ("POST", "/v1/detokenize", detokenize, _Doc("")),
+        (
+            "GET",
+            "/tokenizer_info",
+            tokenizer_info,
+            _Doc("the tokenizer's facts and chat template", responses.TokenizerInfo),
+        ),
+        (
+            "GET",
+            "/version",
+            version,
+            _Doc("dsflash's version, the model and its revision", responses.Version, errors=()),
+        ),
+        ("GET", "/health", health, _Doc("200 when ready, 503 while loading or shutting down", responses.Health)),
+        ("GET", "/metrics", metrics, _Doc("Prometheus metrics", None, errors=(), media="text/plain")),
+        ("GET", "/openapi.json", schema, _Doc("")),
+    ]
+    for method, path, fn, doc in table:
+        shown = bool(doc.summary)
+        extra = openapi.operation(doc.ok, doc.body, doc.stream, doc.errors, doc.media) if shown else None
+        api.add_api_route(
+            path, fn, methods=[method], summary=doc.summary or None, include_in_schema=shown, openapi_extra=extra
+        )
+        if method == "GET":  # load balancers and uptime checks probe with HEAD: GET's status and headers
+            api.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+
+
+def methods_of(api: FastAPI, path: str) -> set[str]:
+    """Every method some route takes on `path` (for a 405's Allow header)."""
+    out: set[str] = set()
+    for route in api.router.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path):
+            out |= set(getattr(route, "methods", None) or ())
+    return out

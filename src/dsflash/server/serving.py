@@ -39,6 +39,7 @@ class Serving:
         api_key: str | None = None,
         shutdown_grace: float = 5.0,
         chat_defaults: ChatOptions | None = None,
+        allowed_origins: tuple[str, ...] = (),
     ):
         self.choice, self.opts, self.host, self.grace = choice, opts, host, shutdown_grace
         self.backend = make_backend(opts)
@@ -46,7 +47,14 @@ class Serving:
         self.port: int = self.sock.getsockname()[1]
         self.max_len = opts.max_model_len or choice.profile.context
         self.app = App(
-            choice.model_id, choice.aliases, choice.source, chat_defaults, api_key, shutdown_grace=shutdown_grace
+            choice.model_id,
+            choice.aliases,
+            choice.source,
+            chat_defaults,
+            api_key,
+            shutdown_grace=shutdown_grace,
+            allowed_origins=allowed_origins,
+            revision=_revision(choice.source),
         )
         self.booted: Booted | None = None
         self.record: ServerRecord | None = None
@@ -96,3 +104,9 @@ class Serving:
         ready(booted, health, time.perf_counter() - t)
         self.record.status = "ready"
         self.record.save()
+
+
+def _revision(source: str) -> str | None:
+    """The pinned revision of a Hub source (repo@rev); None for a directory, the embedded model or an unpinned id."""
+    _, at, rev = source.partition("@")
+    return rev if at else None

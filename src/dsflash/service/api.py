@@ -42,6 +42,8 @@ class GenerationOptions:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k alternatives
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens (vLLM's)
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob plus the top k alternatives
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,17 @@ class TokenLogprob:
     bytes: tuple[int, ...]
     top: tuple[TopLogprob, ...] | None
     offset: int  # character offset of this token's text in the completion text (echoed prompt included)
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One candidate at a prompt position (vLLM's prompt_logprobs): rank is 1 for the most likely token; None where
+    the prompt's own token is not among the top k reported (its rank is not computed)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int | None
 
 
 @dataclass(frozen=True)
@@ -134,3 +147,6 @@ class Delta:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    # on the first Delta when prompt_logprobs was asked: per prompt position (None for the first), the prompt's
+    # token first, then the top k alternatives
+    prompt_logprobs: tuple[tuple[PromptLogprob, ...] | None, ...] | None = None

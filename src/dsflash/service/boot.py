@@ -29,6 +29,7 @@ class BootOptions:
     backend: str = "engine"
     max_queue: int = 64
     max_model_len: int | None = None  # overrides the profile's context
+    allow_long_context: bool = False  # a max_model_len past the model's max_position_embeddings is not an error
     max_tokens_default: int = MAX_TOKENS_DEFAULT  # a request without max_tokens gets this many at most
     max_tokens_limit: int | None = None  # the most any request may ask for; None: what the context leaves
 
@@ -237,6 +238,14 @@ def _inventory(ctx: _Ctx) -> str:
     cfg, tok = ctx.files.ckpt.config, ctx.files.tokenizer
     if tok.vocab_size > cfg.vocab_size:
         raise ConfigError(f"the tokenizer has {tok.vocab_size} ids but the model only {cfg.vocab_size}")
+    # only an asked-for length: a profile's context is the bundle's own choice (the directory default, 9216, is past
+    # the 4096 many small test configs declare)
+    asked = ctx.opts.max_model_len
+    if asked is not None and asked > cfg.max_position_embeddings and not ctx.opts.allow_long_context:
+        raise ConfigError(
+            f"--max-model-len {asked} is beyond this model's max_position_embeddings "
+            f"({cfg.max_position_embeddings}); lower it, or pass --allow-long-context to serve it anyway"
+        )
     n = len(ctx.files.ckpt.names())
     return f"{n:,} tensors match config.json; tokenizer with {tok.vocab_size:,} ids"
 

@@ -9,12 +9,14 @@ Text order per token: detokenizer -> `</think>` split (chat, when the prompt ope
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from dsflash.errors import ContextTooLong, InvalidRequest
+from dsflash.errors import ContextTooLong, InvalidRequest, Overloaded
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import SamplingParams
 from dsflash.service.api import (
@@ -23,6 +25,7 @@ from dsflash.service.api import (
     CompletionRequest,
     Delta,
     GenerationOptions,
+    PromptLogprob,
     RequestStats,
     TokenLogprob,
     TopLogprob,
@@ -38,6 +41,12 @@ from dsflash.text.tools import ToolCall, ToolCallParser
 if TYPE_CHECKING:
     from dsflash.runtime.scheduler.engine import Engine
     from dsflash.service.boot import Booted
+
+# Retry-After bounds: under 1 s a client's retry comes back before anything moved; the openai client honours at most
+# 60 s (it falls back to its own backoff above), and a longer hint only keeps a client away from a queue that may
+# drain sooner than the estimate
+RETRY_MIN_S, RETRY_MAX_S = 1, 60
+RECENT = 16  # requests whose service time the queue's expected wait is estimated from
 
 
 class Generator:
@@ -58,6 +67,7 @@ class Generator:
         self.engine, self.tokenizer, self.max_len, self.release = engine, tokenizer, max_len, release
         self.clock = clock
         self.max_tokens_default, self.max_tokens_limit = max_tokens_default, max_tokens_limit
+        self.recent_s: deque[float] = deque(maxlen=RECENT)  # engine time (prefill + decode) of recent requests
 
     @classmethod
     def serving(cls, booted: Booted) -> Generator:
@@ -73,8 +83,38 @@ class Generator:
     # ---- admission and gauges -----------------------------------------------------------------------------------
     def check_admission(self) -> None:
         """Before any text work: NotReady (the engine is not started), EngineDead, or Overloaded (the queue is
-        full; the server's 429 with Retry-After)."""
-        self.engine.admit()
+        full; the server's 429 with Retry-After, the queue's expected wait)."""
+        try:
+            self.engine.admit()
+        except Overloaded as e:
+            raise Overloaded(str(e), retry_after=self.expected_wait()) from None
+
+    def expected_wait(self) -> int:
+        """Seconds until a place in the queue is likely free: every request ahead (waiting and running) at the
+        recent mean engine time each; within [RETRY_MIN_S, RETRY_MAX_S]."""
+        if not self.recent_s:
+            return RETRY_MIN_S
+        ahead = self.engine.queue.depth + int(self.engine.current is not None)
+        wait = ahead * sum(self.recent_s) / len(self.recent_s)
+        return max(RETRY_MIN_S, min(RETRY_MAX_S, math.ceil(wait)))
+
+    def tokenizer_info(self) -> dict:
+        """The tokenizer's facts a client needs to count tokens without downloading it (GET /tokenizer_info)."""
+        tok = self.tokenizer
+        name = {i: tok.id_to_token(i) for i in (tok.bos_id, tok.eos_id) if i is not None}
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": self.max_len,
+            "vocab_size": tok.vocab_size,
+            "bos_token": name.get(tok.bos_id),
+            "eos_token": name.get(tok.eos_id),
+            "bos_token_id": tok.bos_id,
+            "eos_token_id": tok.eos_id,
+            "pad_token": name.get(tok.eos_id),  # DeepSeek pads with EOS
+            "add_bos_token": tok.bos_id is not None,
+            "chat_template": None,  # the chat format is code (text/chat.py); POST /tokenize with messages renders it
+            "tokenizer_source": "POST /tokenize, POST /detokenize",
+        }
 
     def gauges(self) -> dict[str, int]:
         """What /metrics shows of the engine now; the keys are api.GAUGES."""
@@ -149,7 +189,9 @@ class Generator:
                 f"(at most {self.max_len - n} fit)",
                 param="max_tokens",
             )
-        prompt_lp = opts.logprobs if pipe.echo and opts.logprobs is not None else None
+        # the engine scores the prompt once, with the most alternatives anyone here wants
+        wants = [k for k in (opts.logprobs if pipe.echo else None, opts.prompt_logprobs) if k is not None]
+        prompt_lp = max(wants) if wants else None
         params = SamplingParams(
             temperature=opts.temperature,
             top_p=opts.top_p,
@@ -161,11 +203,16 @@ class Generator:
             ignore_eos=opts.ignore_eos,
             logprobs=opts.logprobs,
             prompt_logprobs=prompt_lp,
+            min_tokens=min(opts.min_tokens, max_tokens),
+            eos_ids=() if opts.ignore_eos else tuple(self.tokenizer.eos_ids),
         )
         request = GenerationRequest(tuple(ids), params, cache_salt=salt)
         if request_id is not None:
             request = replace(request, request_id=request_id)
-        handle = self.engine.submit(request)
+        try:
+            handle = self.engine.submit(request)
+        except Overloaded as e:  # the queue filled between admission and now
+            raise Overloaded(str(e), retry_after=self.expected_wait()) from None
         stats = RequestStats(request.request_id, prompt_tokens=n)
         return Stream(self, handle, ids, pipe, stats, t0)
 
@@ -176,6 +223,8 @@ class Stream:
     def __init__(self, gen: Generator, handle: Handle, prompt: list[int], pipe: _Pipeline, stats, t0: float):
         self.gen, self.handle, self.prompt, self.pipe, self.stats, self.t0 = gen, handle, prompt, pipe, stats, t0
         self._t_first: float | None = None
+        self._prefill_s = 0.0
+        self._prompt_sent = pipe.opts.prompt_logprobs is None
 
     @property
     def request_id(self) -> str:
@@ -203,8 +252,13 @@ class Stream:
 
     def _on_event(self, ev: TokenEvent, pipe: _Pipeline, tok: Tokenizer) -> Iterator[Delta]:
         now = self.gen.clock()
-        if pipe.echo and not pipe.echoed:  # the first event carries the prompt's logprobs when they were asked for
+        if not self._prompt_sent:  # the first event carries the prompt's logprobs when they were asked for
+            self._prompt_sent = True
+            yield Delta("prompt", prompt_logprobs=pipe.prompt_logprobs(self.prompt, ev.prompt_logprobs))
+        if pipe.echo and not pipe.echoed:
             yield from pipe.echo_prompt(self.prompt, ev.prompt_logprobs)
+        if ev.stats is not None and ev.stats.ttft_s is not None:
+            self._prefill_s = ev.stats.ttft_s
         self._read_counters(ev.stats)
         if ev.token is not None:
             if self._t_first is None:
@@ -229,6 +283,8 @@ class Stream:
             reason = "tool_calls"
         self.stats.finish_reason = reason
         st = self.stats
+        if reason != "cancelled":
+            self.gen.recent_s.append(self._prefill_s + st.decode_s)
         usage = Usage(st.prompt_tokens, st.completion_tokens, st.reasoning_tokens, st.cached_tokens)
         yield Delta("content", logprobs=pipe.take_logprobs(), finish_reason=reason, usage=usage)
 
@@ -266,12 +322,27 @@ class _Pipeline:
         text = "".join(p.text for p in pieces) + detok.finish()
         self._offset0 = len(text)
         entries = ()
-        if prompt_lp is not None:
+        k = self.opts.logprobs
+        if prompt_lp is not None and k is not None:
             entries = tuple(
-                self._entry(p.token_id, None if lp is None else lp[1], None if lp is None else lp[2], p.offset)
+                self._entry(p.token_id, None if lp is None else lp[1], None if lp is None else lp[2][:k], p.offset)
                 for p, lp in zip(pieces, prompt_lp)
             )
         yield Delta("prompt", text, logprobs=entries)
+
+    def prompt_logprobs(self, prompt: list[int], scored: list | None) -> tuple:
+        """The engine's (token, logprob, top) per prompt position -> vLLM's entries: the prompt's token, then the top
+        k alternatives (the prompt's token appears once)."""
+        k = self.opts.prompt_logprobs or 0
+        out: list = [None]
+        for lp in (scored or [None])[1:]:
+            token, logprob, top = lp
+            top = top[:k]
+            ranks = {t: i + 1 for i, (t, _) in enumerate(top)}
+            first = PromptLogprob(token, token_text(self.tok, token), logprob, ranks.get(token))
+            alts = [PromptLogprob(t, token_text(self.tok, t), v, i + 1) for i, (t, v) in enumerate(top) if t != token]
+            out.append((first, *alts))
+        return tuple(out[: len(prompt)])
 
     def feed_token(self, token: int, logprob: float | None, top) -> Iterator[Delta]:
         piece = self.detok.feed(token)

@@ -1,4 +1,4 @@
-"""logits -> next token (+ logprobs): greedy, temperature, top_k, top_p, min_p, per-request seed."""
+"""logits -> next token (+ logprobs): greedy, temperature, top_k, top_p, min_p, min_tokens, per-request seed."""
 
 from __future__ import annotations
 
@@ -23,14 +23,17 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; k = the sampled token's logprob and the top k alternatives
     prompt_logprobs: int | None = None
+    # vLLM's min_tokens: until this many tokens are out, EOS (eos_ids) and stop_token_ids are never sampled
+    min_tokens: int = 0
+    eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0 or not 0 <= self.min_p <= 1 or self.max_tokens < 0:
-            raise ValueError("top_k >= 0, min_p in [0, 1] and max_tokens >= 0 are required")
+        if self.top_k < 0 or not 0 <= self.min_p <= 1 or self.max_tokens < 0 or self.min_tokens < 0:
+            raise ValueError("top_k >= 0, min_p in [0, 1], max_tokens >= 0 and min_tokens >= 0 are required")
         for k in (self.logprobs, self.prompt_logprobs):
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}")
@@ -53,17 +56,24 @@ class Sampler:
 
     def __init__(self, params: SamplingParams):
         self.params = params
+        self.sampled = 0  # tokens drawn so far: the engine calls once per generated token
+        self.held_back = list({*params.eos_ids, *params.stop_token_ids}) if params.min_tokens else []
         self.gen = torch.Generator()
         self.gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
 
     def __call__(self, logits: torch.Tensor) -> Sample:
         """logits [V] fp32 -> the next token; logprobs are of the unmodified distribution, as vLLM reports them."""
         logits = logits.float().cpu()
-        token = int(logits.argmax()) if self.params.greedy else self._draw(logits)
+        raw = logits
+        if self.sampled < self.params.min_tokens and self.held_back:
+            logits = logits.clone()
+            logits[self.held_back] = -torch.inf
+        self.sampled += 1
+        token = _argmax(logits) if self.params.greedy else self._draw(logits)
         k = self.params.logprobs
         if k is None:
             return Sample(token)
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = torch.log_softmax(raw, dim=-1)
         return Sample(token, float(lp[token]), top_logprobs(lp, k))
 
     def _draw(self, logits: torch.Tensor) -> int:
@@ -82,6 +92,12 @@ class Sampler:
             drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
             probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0))
         return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    """The first index of the largest logit [V] (a NaN counts as largest, as in torch). numpy's: torch's argmax over a
+    129k vocabulary took ~200 us a token on an AVX2 EPYC, numpy's ~15 us."""
+    return int(logits.contiguous().numpy().argmax())
 
 
 def top_logprobs(lp: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
