@@ -161,32 +161,26 @@ class PrefixCache:
 
     def _room_in_memory(self, need: int) -> bool:
         """Evict least-recently-used snapshots from memory until `need` more bytes fit under the cap."""
-        if need > self.memory_cap:
-            return False
-        while self.memory_bytes + need > self.memory_cap:
-            victims = [e for e in self.entries.values() if e.memory and not e.pins]
-            if not victims:
-                return False
-            e = min(victims, key=lambda v: v.used)
-            self.runner.drop(e.key, memory=True, disk=False)
-            e.memory = 0
-            self.counts["evictions"] += 1
-            if not e.disk:
-                self._forget(e, drop=False)
-        return True
+        return self._room("memory", need, self.memory_cap)
 
     def _room_on_disk(self, need: int) -> bool:
-        if self.directory is None or need > self.disk_cap:
+        return self.directory is not None and self._room("disk", need, self.disk_cap)
+
+    def _room(self, tier: str, need: int, cap: int) -> bool:
+        """Evict from one tier (an Entry's `memory` or `disk` bytes) until `need` more fit under `cap`; an entry
+        left in neither tier is forgotten, a pinned one is never evicted."""
+        other = "disk" if tier == "memory" else "memory"
+        if need > cap:
             return False
-        while self.disk_bytes + need > self.disk_cap:
-            victims = [e for e in self.entries.values() if e.disk and not e.pins]
+        while sum(getattr(e, tier) for e in tuple(self.entries.values())) + need > cap:
+            victims = [e for e in self.entries.values() if getattr(e, tier) and not e.pins]
             if not victims:
                 return False
             e = min(victims, key=lambda v: v.used)
-            self.runner.drop(e.key, memory=False, disk=True)
-            e.disk = 0
+            self.runner.drop(e.key, memory=tier == "memory", disk=tier == "disk")
+            setattr(e, tier, 0)
             self.counts["evictions"] += 1
-            if not e.memory:
+            if not getattr(e, other):
                 self._forget(e, drop=False)
         return True
 
