@@ -77,27 +77,17 @@ class Metrics:
             key: Counter(P + name.removesuffix("_total"), text, label, registry=r).labels(model)
             for key, (name, text) in PROMETHEUS.items()
         }
-        self.ttft = Histogram(
-            P + "time_to_first_token_seconds",
-            "Receipt to first token (queue wait + prefill).",
-            label,
-            buckets=TTFT_BUCKETS,
-            registry=r,
-        ).labels(model)
-        self.tpot = Histogram(
-            P + "time_per_output_token_seconds",
-            "Mean decode time per token after the first, per request.",
-            label,
-            buckets=TPOT_BUCKETS,
-            registry=r,
-        ).labels(model)
-        self.e2e = Histogram(
-            P + "e2e_request_latency_seconds",
-            "Receipt to last byte of completed requests.",
-            label,
-            buckets=E2E_BUCKETS,
-            registry=r,
-        ).labels(model)
+
+        def histogram(name: str, text: str, buckets: tuple[float, ...]):
+            return Histogram(P + name, text, label, buckets=buckets, registry=r).labels(model)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Receipt to first token (queue wait + prefill).", TTFT_BUCKETS
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Mean decode time per token after the first, per request.", TPOT_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Receipt to last byte of completed requests.", E2E_BUCKETS)
         self.decode_speed = Gauge(
             P + "decode_tokens_per_second",
             "Decode speed of the last request that produced 2+ tokens.",
