@@ -34,7 +34,10 @@ def embedded_dir(override: str | os.PathLike | None = None) -> Path:
 
 
 def kernel_dir() -> Path:
-    """Where the native CPU kernels are built (keyed by source and CPU; shared by every cache override)."""
+    """Where the native CPU kernels are built (keyed by source, flags and CPU, so one directory serves every cache):
+    $DSFLASH_KERNELS, else the environment's cache (never --cache-dir)."""
+    if os.environ.get("DSFLASH_KERNELS"):
+        return Path(os.environ["DSFLASH_KERNELS"]).expanduser()
     return cache_root() / "kernels"
 
 

@@ -21,13 +21,15 @@ def _assert_same(case, got, want):
     assert report["mean_abs"] < 1e-4, report
 
 
-@pytest.mark.parametrize("split", [1, 3, 16, 17, 40])
-def test_decode_after_any_prefill(case, full, split):
-    """Split points off the compression ratio and the candidate block; the window ring wraps."""
+@pytest.mark.parametrize("split,steps", [(3, None), (1, 24), (16, 24), (17, 24), (40, 24)])
+def test_decode_after_any_prefill(case, full, split, steps):
+    """Split points off the compression ratio and the candidate block. One split decodes to the end (the window ring
+    wraps); the others hand prefill over to decode at another point and check the steps that follow it."""
+    end = len(case.tokens) if steps is None else split + steps
     state = case.ref.model.new_state(len(case.tokens))
     first = case.run(case.tokens[:split], 0, state)[0].numpy()
-    rows = [case.run([t], p, state)[0, -1].numpy() for p, t in enumerate(case.tokens) if p >= split]
-    _assert_same(case, np.concatenate([first, np.stack(rows)]), full)
+    rows = [case.run([case.tokens[p]], p, state)[0, -1].numpy() for p in range(split, end)]
+    _assert_same(case, np.concatenate([first, np.stack(rows)]), full[:end])
 
 
 @pytest.mark.parametrize("chunks", [[5, 27, 1, 33], [64, 64], [7] * 10])
@@ -98,7 +100,7 @@ def test_static_decode_steps(case, full, monkeypatch):
     whole with masks) equal the dynamic steps: across compression group ends, the window ring's wrap and the
     indexer's top-k filling up, after a dynamic prefill and before dynamic steps that continue the sequence. The
     step reads nothing back to the host outside its host stages (the experts, the Engram table)."""
-    model, split, back, end = case.ref.model, 5, 40, 56
+    model, split, back, end = case.ref.model, 5, 30, 40
     state = model.new_state(len(case.tokens))
     first = case.run(case.tokens[:split], 0, state)[0].numpy()
     mode = _NoHostReads()

@@ -28,12 +28,12 @@ def gate_spec(**kw) -> EngineSpec:
     return EngineSpec(**{"qat": False, "expert_format": "bfp4_b", **kw})
 
 
-def bfp8_at_every_tp(setup, cache, **kw):
-    """(tp, the engine's scores) at every TP degree the fixture's heads allow, bfp8_b experts, as few slots as a
-    token activates (so the LRU evicts); each degree replaces the module's store."""
+def bfp8_at_every_tp(setup, cache, degrees=(1, 2, 4), **kw):
+    """(tp, the engine's scores) at every TP degree of `degrees` the fixture's heads allow, bfp8_b experts, as few
+    slots as a token activates (so the LRU evicts); each degree replaces the module's store."""
     files, ids, prefill, _ = setup
     n_active = files.ckpt.config.num_experts_per_tok
-    for tp in [d for d in (1, 2, 4) if files.ckpt.config.num_attention_heads % d == 0]:
+    for tp in [d for d in degrees if files.ckpt.config.num_attention_heads % d == 0]:
         spec = gate_spec(
             tp=tp, expert_slots=n_active, expert_format="bfp8_b", cache_dir=cache, rebuild_store=True, **kw
         )

@@ -26,12 +26,13 @@ def _tp_degrees(files):
     return [d for d in (1, 2, 4) if files.ckpt.config.num_attention_heads % d == 0]
 
 
-def test_bfp8_engine_is_the_reference_at_every_tp_with_evictions(setup, cache):
-    """bfp8 holds the FP4 experts exactly: at any TP and with as few slots as a token activates, the gates
-    pass, logits agree to float32 noise and the LRU really evicts."""
+def test_bfp8_engine_is_the_reference_at_tp1_and_tp2_with_evictions(setup, cache):
+    """bfp8 holds the FP4 experts exactly: at TP 1 and 2 and with as few slots as a token activates, the gates
+    pass, logits agree to float32 noise and the LRU really evicts. (TP 4: the gates CLI test runs it with bfp8 and
+    the screened-head test checks it equals TP 1.)"""
     files, want = setup[0], setup[3]
     n_active, seen = files.ckpt.config.num_experts_per_tok, []
-    for tp, got in bfp8_at_every_tp(setup, cache, prefill_matmul="fp32"):
+    for tp, got in bfp8_at_every_tp(setup, cache, degrees=(1, 2), prefill_matmul="fp32"):
         seen.append(tp)
         r = report(want, got)
         assert r["pass"], (tp, r)
@@ -39,7 +40,7 @@ def test_bfp8_engine_is_the_reference_at_every_tp_with_evictions(setup, cache):
         for part in ("prefill", "decode"):
             diff = compare_logits(getattr(want, part), getattr(got, part))
             assert diff["max_abs"] < 1e-3, (tp, part, diff)
-    assert seen == _tp_degrees(files)
+    assert seen == [1, 2]
 
 
 def test_bfp4_engine_adds_nothing_beyond_the_format(setup, cache):
@@ -75,28 +76,19 @@ def _bfp4(w: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(bfp.unpack(bfp.pack(w.float().numpy(), "bfp4_b", search=True), "bfp4_b", tuple(w.shape)))
 
 
-def test_tp4_equals_tp1_with_the_default_formats(cache):
-    files = open_dir(ROOT / "tiny_a" / "model")
-    ids, prefill = gate_ids(files, 90)
-    one, four = (
-        engine_scores(files, ids, prefill, gate_spec(tp=tp, expert_slots=4, cache_dir=cache, rebuild_store=True))
-        for tp in (1, 4)
-    )
-    for part in ("prefill", "decode"):
-        assert compare_logits(getattr(one, part), getattr(four, part))["max_abs"] < 1e-4
-
-
 def test_screened_head_is_tp_invariant_and_exact_where_it_counts(cache):
-    """The head's FP8 screen for decode, forced on (the tiny heads are below its size threshold): TP 4 equals TP 1
-    to float32 noise (the screened set is chosen on the gathered logits), each decode position's highest logits
-    are the bf16 head's bits, the screened tail stays within FP8 rounding, and the gates still pass."""
+    """The default formats (bfp4_b experts, FP8 dense) with the head's FP8 screen for decode forced on (the tiny
+    heads are below its size threshold): TP 4 equals TP 1 to float32 noise (the screened set is chosen on the
+    gathered logits), each decode position's highest logits are the bf16 head's bits, the screened tail stays within
+    FP8 rounding, and the divergence from the reference stays bfp4_b's own."""
     files = open_dir(ROOT / "tiny_a" / "model")
     ids, prefill = gate_ids(files, 90)
     want = reference_scores(files, ids, prefill)
+    for tp in (1, 4):
+        build_store(files.ckpt, cache, tp=tp, fmt="bfp4_b", progress=False, rebuild=True)
 
     def scores(tp: int, screen: bool) -> Scores:
-        build_store(files.ckpt, cache, tp=tp, fmt="bfp8_b", progress=False, rebuild=True)
-        spec = gate_spec(tp=tp, expert_slots=4, expert_format="bfp8_b", cache_dir=cache, screen_head=screen)
+        spec = gate_spec(tp=tp, expert_slots=4, expert_format="bfp4_b", cache_dir=cache, screen_head=screen)
         runner = start_engine(files.ckpt, files.token_map, len(ids), spec)
         try:
             return Scores(*_score(runner_forward(runner), ids, prefill), runner.counters(), 4)
@@ -112,7 +104,8 @@ def test_screened_head_is_tp_invariant_and_exact_where_it_counts(cache):
     tail = np.abs(one.decode - plain.decode)
     assert 0 < tail.max() < 0.05 * np.abs(plain.decode).max()
     r = report(want, four)
-    assert r["pass"], r
+    for part in ("prefill", "decode"):  # bfp4_b's own cost (test_bfp4_engine_adds_nothing_beyond_the_format)
+        assert r[part]["mean_kl"] <= 0.035, r
 
 
 def test_greedy_generation_follows_the_reference_where_decisive(cache):
@@ -150,12 +143,12 @@ def test_tp_degree_must_divide_the_heads(cache):
         start_engine(files.ckpt, files.token_map, 16, EngineSpec(tp=4, cache_dir=cache))
 
 
-def test_gates_cli_passes_at_its_defaults_with_evictions(setup, cache, capsys):
+def test_gates_cli_passes_at_its_defaults_with_evictions(cache, capsys):
     """`dsflash gates` as a user runs it: the default format (auto: bfp8_b, the tiny store fits) at the highest TP
-    degree the heads allow and as few slots as a token activates."""
+    degree the heads allow (tiny_a: 4) and as few slots as a token activates."""
     from dsflash.cli.main import main
 
-    files, ids, prefill, want = setup
+    files = open_dir(ROOT / "tiny_a" / "model")
     cfg = files.ckpt.config
     tp = max(_tp_degrees(files))
     args = ["--tp", str(tp), "--expert-slots", str(cfg.num_experts_per_tok), "--tokens", str(GATE_TOKENS)]

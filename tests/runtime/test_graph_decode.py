@@ -120,7 +120,7 @@ class TableExperts:
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
 def test_replayed_decode_is_the_reference(name):
     case = open_case(name)
-    model, cfg, tokens = case.ref.model, case.ref.cfg, case.tokens[:61]  # odd: the last group is never complete
+    model, cfg, tokens = case.ref.model, case.ref.cfg, case.tokens[:41]  # odd: the last group is never complete
     state = model.new_state(len(tokens))
     full = model(torch.tensor([tokens]), 0, state, case.ref.experts)[0].numpy()
     experts = TableExperts(case.ref.experts, n_slots=max(s.n_active for s in cfg.layers()) + 1)

@@ -136,3 +136,23 @@ def server(tmp_path_factory, model_cache) -> Server:
         yield srv
     finally:
         srv.stop()
+
+
+ORIGINS = ("http://ui.example", "http://b.example")
+
+
+@pytest.fixture(scope="session")
+def open_server(tmp_path_factory, model_cache):
+    """The second shared server: no API key, a 1024-token context, routing recorded (tests/server/test_bench.py
+    replays it), browsers allowed from ORIGINS (tests/server/test_http.py). (server, routing file)."""
+    tmp = tmp_path_factory.mktemp("open")
+    routing = tmp / "routing.jsonl"
+    srv = start_server(
+        tmp, model_cache, "--max-model-len", "1024", "--record-routing", str(routing),
+        "--allowed-origins", ", ".join(ORIGINS),
+    )  # fmt: skip
+    try:
+        srv.wait_ready()
+        yield srv, routing
+    finally:
+        srv.stop()

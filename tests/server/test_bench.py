@@ -1,4 +1,4 @@
-"""`dsflash bench` black-box against a real embedded-model server (one boot for the module, recording routing),
+"""`dsflash bench` black-box against a real embedded-model server (the session's open server, recording routing),
 and `dsflash simulate` on the routing that server recorded."""
 
 from __future__ import annotations
@@ -9,19 +9,12 @@ import sys
 
 import pytest
 
-from tests.server.conftest import free_port, start_server
+from tests.server.conftest import free_port
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, model_cache):
-    tmp = tmp_path_factory.mktemp("bench")
-    routing = tmp / "routing.jsonl"
-    srv = start_server(tmp, model_cache, "--max-model-len", "1024", "--record-routing", str(routing))
-    try:
-        srv.wait_ready()
-        yield srv, routing
-    finally:
-        srv.stop()
+def served(open_server):
+    return open_server
 
 
 def bench(srv, *args, timeout=300):

@@ -162,18 +162,8 @@ PREFLIGHT = {"Origin": "http://ui.example", "Access-Control-Request-Method": "PO
 
 
 @pytest.fixture(scope="module")
-def cors_server(tmp_path_factory, model_cache):
-    from tests.server.conftest import start_server
-
-    tmp = tmp_path_factory.mktemp("cors")
-    srv = start_server(
-        tmp, model_cache, "--max-model-len", "256", "--allowed-origins", "http://ui.example, http://b.example"
-    )
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+def cors_server(open_server):
+    return open_server[0]  # its --allowed-origins: http://ui.example, http://b.example
 
 
 def test_a_browser_preflight_is_refused_without_allowed_origins(server):

@@ -185,6 +185,7 @@ def test_xdg_cache_home_is_honoured_by_store_build_and_serve_alike(tmp_path):
     home.mkdir()
     env = dsflash_env(tmp_path / "state", tmp_path / "unused")
     env.pop("DSFLASH_CACHE")
+    env.pop("DSFLASH_KERNELS")  # this test is the one that builds them where the cache is
     env.update(HOME=str(home), XDG_CACHE_HOME=str(xdg))
     r = dsflash(env, "store", "build", str(model), "--no-progress")
     assert r.returncode == 0, r.stderr

@@ -1,10 +1,11 @@
 """index.py + verify.py: lazy reading of the official format and the inventory check on broken checkpoints."""
 
+import contextlib
+import io
 import json
 import shutil
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -286,7 +287,14 @@ def test_many_problems_are_listed_briefly(broken):
 
 # ---- the CLI ------------------------------------------------------------------------------------------------------
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsflash", *args], capture_output=True, text=True)
+    """The CLI in this process (`python -m dsflash` itself is driven by the server and store CLI tests): a fresh
+    interpreter would spend seconds importing torch for a check that takes milliseconds."""
+    from dsflash.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_cli_verify_ok_and_broken(broken):

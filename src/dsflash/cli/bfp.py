@@ -121,8 +121,9 @@ def _bench(args) -> int:
         "format": args.format,
         "shape": list(args.shape),
         "median_ms": round(med * 1e3, 3),
-        "in_mb_per_s": round(x.nbytes / med / 1e6, 1),
-        "out_mb_per_s": round(out.size / med / 1e6, 1),
+        # significant digits, not decimals: a tiny shape on a busy machine runs at a few MB/s
+        "in_mb_per_s": float(f"{x.nbytes / med / 1e6:.4g}"),
+        "out_mb_per_s": float(f"{out.size / med / 1e6:.4g}"),
     }
     print(json.dumps(row))
     return 0
