@@ -9,6 +9,7 @@ by its property's schema, so its arguments are valid against the tool's schema a
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -72,27 +73,38 @@ def _lit(text: str, dsml_id: int | None) -> str:
     return " ".join(out)
 
 
-def _properties(name: str, params: Mapping | None) -> tuple[list[tuple[str, dict, bool]], dict]:
+def _writable(name, where: str) -> str:
+    """A tool or parameter name as DSML can write it inside name="..."."""
+    if not isinstance(name, str) or not name or '"' in name or "<" in name:
+        raise InvalidRequest(f"{where}: the name {name!r} cannot be written in a DSML call", param="tool_choice")
+    return name
+
+
+def _properties(name: str, params) -> tuple[list[tuple[str, dict, bool]], dict]:
     """A tool's parameters schema -> ([(property, its schema, required)], the root's definitions for $ref)."""
-    params = params or {"type": "object"}
+    params = {"type": "object"} if params is None else params
     where = f"tools[{name!r}].function.parameters"
+
+    def refuse(what: str):
+        raise InvalidRequest(f"{where}: {what}", param="tool_choice")
+
     if not isinstance(params, Mapping) or params.get("type", "object") != "object":
-        raise InvalidRequest(f"{where}: a forced tool call needs an object schema", param="tool_choice")
+        refuse("a forced tool call needs an object schema")
     bad = sorted(k for k in ("anyOf", "oneOf", "allOf", "$ref", "not", "if") if k in params)
     if bad:
-        raise InvalidRequest(f"{where}: unsupported for a forced tool call: {', '.join(bad)}", param="tool_choice")
-    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
-    required = set(params.get("required") or ())
-    props = []
-    for key, sub in (params.get("properties") or {}).items():
-        if '"' in key or "<" in key:
-            raise InvalidRequest(f"{where}: parameter name {key!r} cannot be written in DSML", param="tool_choice")
-        sub = {} if sub is True else dict(sub)
-        props.append((key, sub, key in required))
-    missing = required - {k for k, _, _ in props}
+        refuse(f"unsupported for a forced tool call: {', '.join(bad)}")
+    props, required = params.get("properties") or {}, params.get("required") or []
+    if not isinstance(props, Mapping) or not isinstance(required, list):
+        refuse("properties must be an object and required an array")
+    out = []
+    for key, sub in props.items():
+        if not isinstance(sub, Mapping | bool):
+            refuse(f"properties[{key!r}] must be a schema (an object)")
+        out.append((_writable(key, where), {} if sub is True else dict(sub), key in required))
+    missing = set(map(str, required)) - set(props)
     if missing:
-        raise InvalidRequest(f"{where}: required names no property: {sorted(missing)}", param="tool_choice")
-    return props, defs
+        refuse(f"required names no property: {sorted(missing)}")
+    return out, {k: params[k] for k in ("$defs", "definitions") if k in params}
 
 
 def tool_call_grammar(tools: Sequence[Mapping], name: str | None = None, parallel: bool = True,
@@ -104,7 +116,7 @@ def tool_call_grammar(tools: Sequence[Mapping], name: str | None = None, paralle
         fns = [f for f in fns if f.get("name") == name]
     rules, invokes = [], []
     for i, fn in enumerate(fns):
-        props, defs = _properties(fn["name"], fn.get("parameters"))
+        props, defs = _properties(_writable(fn.get("name"), "tools"), fn.get("parameters"))
         body = []
         for j, (key, sub, required) in enumerate(props):
             head = _lit(f'<{DSML}{s.parameter} name="{key}" string="false">', dsml_id)
@@ -188,9 +200,13 @@ class GrammarCache:
                 self._done.move_to_end(grammar)
                 return hit
         lt = ll_tokenizer(self.tok)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lt)
-        if is_error:
-            raise InvalidRequest(f"{param}: not supported by the grammar engine: {'; '.join(messages)}", param=param)
+        try:
+            is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, lt)
+        except Exception as e:  # the engine's own refusal of a grammar it cannot build is the client's 400
+            is_error, messages = True, [str(e)]
+        if is_error:  # the first line: a Lark grammar's error quotes the whole grammar after it
+            first = re.sub(r"^at \d+\(\d+\): ", "", "; ".join(messages).splitlines()[0])
+            raise InvalidRequest(f"{param}: not supported by the grammar engine: {first}", param=param)
         matcher = llguidance.LLMatcher(lt, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequest(f"{param}: not supported by the grammar engine: {matcher.get_error()}", param=param)
@@ -206,7 +222,7 @@ class GrammarCache:
             return self.compile(json_object_grammar(), param)
         try:
             source = json_schema_grammar(schema)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise InvalidRequest(f"{param}: {e}", param=param) from None
         return self.compile(source, param)
 
