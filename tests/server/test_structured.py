@@ -22,8 +22,8 @@ from dsflash.text.tokenizer import Tokenizer
 Q = [{"role": "user", "content": "Answer in JSON."}]
 NO_THINK = ChatOptions(thinking=False)
 SAMPLES = 200
-TOOL_SAMPLES = 40  # a forced call is ~60 tokens, most of them the DSML tags
-DRAWN = 10  # of each 200, samples drawn at temperature 1 (torch.multinomial over 129k tokens: ~4 ms a token); the
+TOOL_SAMPLES = 20  # a forced call is ~60 tokens, most of them the DSML tags
+DRAWN = 4  # of each 200, samples drawn at temperature 1 (torch.multinomial over 129k tokens: ~4 ms a token); the
 # rest are greedy on random logits, which differ at every step
 
 S = {"type": "string", "maxLength": 6}
@@ -186,14 +186,14 @@ def test_forced_tool_calls_parse_and_validate(gen, choice):
         opts = GenerationOptions(max_tokens=300, seed=seed, temperature=1.0 if seed < DRAWN else 0.0)
         name = "get_weather" if choice == "function" else None
         req = ChatRequest(Q, opts, NO_THINK, tools=TOOLS, tool_choice=choice, tool_name=name,
-                          parallel_tool_calls=seed % 2 == 0)  # fmt: skip
+                          parallel_tool_calls=seed % 4 == 0)  # fmt: skip
         full, text, streamed_calls = fold(list(gen.stream(req)))
         c = full["choices"][0]
         assert c["finish_reason"] == "tool_calls", c
         calls = c["message"]["tool_calls"]
         assert calls and c["message"]["content"] is None and text == ""
         assert [x["function"] for x in calls] == [x["function"] for x in streamed_calls]
-        if seed % 2:
+        if seed % 4:
             assert len(calls) == 1
         for call in calls:
             names.add(call["function"]["name"])
