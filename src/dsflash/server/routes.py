@@ -222,7 +222,13 @@ def install(api: FastAPI, app: App) -> None:
             "POST",
             "/v1/responses",
             generation("responses", responses_api.ResponsesRequest),
-            _Doc("a response (OpenAI's Responses API)", None, responses_api.ResponsesRequest, True, gen_errors),
+            _Doc(
+                "a response (OpenAI's Responses API)",
+                responses.ResponseObject,
+                responses_api.ResponsesRequest,
+                True,
+                gen_errors,
+            ),  # fmt: skip
         ),
         (
             "POST",
