@@ -221,8 +221,8 @@ def test_completions_stream_echo_logprobs(server, client, model):
         ({"seed": 1 << 64}, 400),
         ({"stop": [1, 2]}, 400),
         ({"presence_penalty": 0.5}, 400),
-        ({"response_format": {"type": "json_object"}}, 400),
-        ({"tool_choice": "required"}, 400),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}}, 400),
+        ({"tool_choice": "required"}, 400),  # no tools
         ({"chat_template_kwargs": {"thinkin": True}}, 400),
         ({"messages": [{"role": "wizard", "content": "x"}]}, 400),
         ({"messages": []}, 400),

@@ -1,10 +1,12 @@
 """runtime/scheduler/sampler.py on hand-made logits: greedy picks torch's argmax (ties and NaN alike), min_tokens
-holds back EOS and stop ids and then lets them through, logprobs stay those of the unmodified logits."""
+holds back EOS and stop ids and then lets them through, logprobs stay those of the unmodified logits; a
+constraint (structured output) masks first, and its logprobs are of the masked distribution."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from dsflash.runtime.scheduler.sampler import Sampler, SamplingParams
@@ -33,3 +35,45 @@ def test_min_tokens_holds_back_eos_and_stop_ids_then_lets_them_through():
     assert first.top[0][0] == 1
     drawn = Sampler(SamplingParams(temperature=1.0, seed=3, min_tokens=50, eos_ids=(1,), stop_token_ids=(4,)))
     assert all(drawn(x).token not in (1, 4) for _ in range(50))
+
+
+class _Allow:
+    """A TokenConstraint that allows a fixed set of ids and records what it was advanced with."""
+
+    def __init__(self, ids, n: int):
+        self.bits = np.packbits(np.isin(np.arange(n), list(ids)), bitorder="little")
+        self.seen: list[int] = []
+
+    def allowed(self):
+        return self.bits
+
+    def advance(self, token: int) -> None:
+        self.seen.append(token)
+
+
+def test_a_constraint_masks_before_sampling_and_logprobs_are_of_the_masked_distribution():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    allow = {3, 500, 999}
+    states = []
+
+    def make():
+        states.append(_Allow(allow, 997))  # shorter than the logits: ids past its end are forbidden (999 too)
+        return states[-1]
+
+    s = Sampler(SamplingParams(temperature=0, logprobs=5, constraint=make))
+    out = s(x)
+    assert out.token == max((3, 500), key=lambda i: float(x[i])) and states[0].seen == [out.token]
+    masked = torch.full_like(x, -torch.inf)
+    masked[[3, 500]] = x[[3, 500]]
+    assert math.isclose(out.logprob, float(torch.log_softmax(masked, -1)[out.token]), rel_tol=1e-6)
+    assert {t for t, lp in out.top if lp > -math.inf} == {3, 500}
+    drawn = Sampler(SamplingParams(temperature=1.0, seed=2, constraint=make))
+    assert {drawn(x).token for _ in range(40)} == {3, 500}
+
+
+def test_a_constraint_that_allows_only_eos_wins_over_min_tokens():
+    x = torch.zeros(16)
+    s = Sampler(SamplingParams(temperature=0, min_tokens=5, eos_ids=(1,), constraint=lambda: _Allow({1}, 16)))
+    assert s(x).token == 1  # not NaN, not a forbidden token: the grammar is complete, EOS is the only way on
+    free = Sampler(SamplingParams(temperature=0, min_tokens=5, eos_ids=(1,), constraint=lambda: _Allow({1, 7}, 16)))
+    assert free(x).token == 7  # where the grammar leaves another choice, min_tokens still holds EOS back

@@ -85,8 +85,15 @@ def test_unknown_fields_are_kept_for_the_log_and_known_unsupported_ones_refused(
     raw = {"messages": Q, "not_a_field": 1, "b": 2}
     assert protocol.unknown_fields(protocol.validate(protocol.ChatCompletionRequest, raw)) == ["b", "not_a_field"]
     assert rejected(chat, n=2).param == "n"
-    assert rejected(chat, tool_choice="required").param == "tool_choice"
-    assert rejected(chat, response_format={"type": "json_object"}).param == "response_format"
+    assert rejected(chat, tool_choice="required").param == "tool_choice"  # no tools to force
+    fn = {"type": "function", "function": {"name": "f"}}
+    assert (
+        rejected(chat, tools=[fn], tool_choice={"type": "function", "function": {"name": "g"}}).param == "tool_choice"
+    )
+    assert rejected(chat, response_format={"type": "json_schema"}).param == "response_format"
+    forced = chat(tools=[fn], tool_choice={"type": "function", "function": {"name": "f"}}, parallel_tool_calls=False)
+    assert (forced.tool_choice, forced.tool_name, forced.parallel_tool_calls) == ("function", "f", False)
+    assert chat(response_format={"type": "json_object"}).response_format.schema is None
     assert rejected(chat, presence_penalty=0.5).param == "presence_penalty"
     assert rejected(completion, prompt=["a", "b"]).param == "prompt"
     assert rejected(completion, prompt=[5000]).param == "prompt"  # outside the vocabulary

@@ -32,7 +32,7 @@ from starlette.responses import Response
 
 from dsflash.errors import DsflashError, InvalidRequest, NotReady, Overloaded
 from dsflash.server import routes, sse
-from dsflash.server.errors import HttpError, classify, error_frame
+from dsflash.server.errors import HttpError, classify
 from dsflash.server.metrics import Metrics
 from dsflash.server.protocol import ServedModel
 from dsflash.server.routes import Generation
@@ -279,7 +279,7 @@ class App:
             request_log.info(log_line(stats, outcome, job.work.ignored))
 
 
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
 
 
 def _outcome(exc: BaseException | None, status: int) -> str:
@@ -386,13 +386,14 @@ class _Job:
     def _render_stream(self, deltas: Iterator[Delta]) -> None:
         try:
             for obj in self.work.render_stream(deltas):
-                self.post(("frame", sse.frame(obj)))
+                self.post(("frame", self.work.frame(obj)))
         except Exception as e:  # after the first byte an error is a frame, then [DONE]
             self.error = e
             if not isinstance(e, NotReady | InvalidRequest):
                 log.error("generation failed", exc_info=e)
-            self.post(("frame", sse.raw_frame(error_frame(e))))
-        self.post(("frame", sse.DONE))
+            self.post(("frame", self.work.error_frame(e)))
+        if self.work.done:
+            self.post(("frame", self.work.done))
         self.post(("end", None))
 
     def _guard(self, deltas: Iterator[Delta]) -> Iterator[Delta]:

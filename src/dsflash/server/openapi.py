@@ -8,7 +8,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from dsflash import __version__
-from dsflash.server import protocol, responses
+from dsflash.server import protocol, responses, responses_api
 from dsflash.server.protocol import ServedModel
 
 REF = "#/components/schemas/{model}"
@@ -46,7 +46,7 @@ def _error() -> dict:
 
 
 def _schemas() -> dict:
-    out = [(m, "validation") for m in protocol.BODIES]
+    out = [(m, "validation") for m in (*protocol.BODIES, responses_api.ResponsesRequest)]
     out += [(getattr(responses, name), "serialization") for name in responses.DOCUMENTED]
     _, defs = models_json_schema(out, ref_template=REF)
     return defs["$defs"]

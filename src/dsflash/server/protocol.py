@@ -3,13 +3,13 @@ service's frozen requests: the only place that reads request fields and applies 
 
 Policy: wrong types and out-of-range values are a 400 naming the parameter (prompt + max_tokens against the context
 is the service's check, after templating); parameters we know but cannot honour (n > 1, penalties, logit_bias,
-structured output, forced tool choice) are a 400 rather than silently ignored; fields we do not know are accepted
+deprecated functions) are a 400 rather than silently ignored; fields we do not know are accepted
 and reported back for the request log line (`extra="allow"`: they land in `model_extra`).
 
 The models are strict (no "1" -> 1, no true -> 1) because OpenAI's API is typed JSON and a coerced value hides a
-client bug; an integral float (3.0) still counts as an integer, as JSON Schema counts it. Each model parses more than
-this server supports where OpenAI defines the shape (tool_choice "required" or named, response_format json_schema),
-and the conversion refuses it: a later server that supports it changes the conversion, not the wire model.
+client bug; an integral float (3.0) still counts as an integer, as JSON Schema counts it. Structured output
+(response_format json_object / json_schema) and forced tool choice ("required" or a named function) become the
+service's JsonFormat / tool_choice here; the service compiles them (a schema the grammar engine cannot do is a 400).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from dsflash.errors import InvalidRequest, ModelSourceError
-from dsflash.service.api import MAX_LOGPROBS, ChatRequest, CompletionRequest, GenerationOptions
+from dsflash.service.api import MAX_LOGPROBS, ChatRequest, CompletionRequest, GenerationOptions, JsonFormat
 from dsflash.text.chat import ChatOptions, chat_options
 
 INT64 = 1 << 63
@@ -153,10 +153,10 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Logprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = Field(
-        None, description="'auto' or 'none'"
+        None, description="'required' or a named function: the output is a call, grammar-constrained"
     )
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = Field(None, description="only {'type': 'text'}")
+    response_format: ResponseFormat | None = Field(None, description="json_object / json_schema: grammar-constrained")
     chat_template_kwargs: ChatTemplateKwargs | None = None
     reasoning_effort: str | Int | None = None
     thinking: Thinking | bool | None = None
@@ -318,12 +318,8 @@ def to_chat(b: ChatCompletionRequest, raw: Mapping, served: ServedModel) -> tupl
     for key in ("functions", "function_call"):
         if getattr(b, key) is not None:
             raise InvalidRequest(f"{key} is deprecated and not supported; use tools", param=key)
-    if b.response_format is not None and b.response_format.type != "text":
-        raise InvalidRequest(
-            "response_format: only {'type': 'text'} is supported (no structured output)", "response_format"
-        )
-    if b.tool_choice is not None and b.tool_choice not in ("auto", "none"):
-        raise InvalidRequest("tool_choice: only 'auto' and 'none' are supported", param="tool_choice")
+    named = b.tool_choice.function.name if isinstance(b.tool_choice, NamedToolChoice) else None
+    choice, name = tool_choice("function" if named else b.tool_choice, named, raw.get("tools"))
     max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
     if b.top_logprobs and not b.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -336,10 +332,44 @@ def to_chat(b: ChatCompletionRequest, raw: Mapping, served: ServedModel) -> tupl
         options=options,
         chat=chat,
         tools=raw.get("tools") or None,
-        tool_choice=b.tool_choice or "auto",
+        tool_choice=choice,
+        tool_name=name,
+        parallel_tool_calls=b.parallel_tool_calls is not False,
+        response_format=_chat_format(b.response_format),
         cache_salt=b.cache_salt,
     )
     return req, _stream(b)
+
+
+def json_format(kind: str, schema: dict | None, param: str = "response_format") -> JsonFormat | None:
+    """A response format (text | json_object | json_schema with its schema) -> the service's JsonFormat (None: free
+    text)."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JsonFormat()
+    if schema is None:
+        raise InvalidRequest(f"{param}: a schema is required with type json_schema", param=param)
+    return JsonFormat(schema)
+
+
+def _chat_format(f: ResponseFormat | None) -> JsonFormat | None:
+    if f is None:
+        return None
+    return json_format(f.type, f.json_schema.schema_ if f.json_schema is not None else None)
+
+
+def tool_choice(choice: str | None, name: str | None, tools, param: str = "tool_choice") -> tuple[str, str | None]:
+    """tool_choice (auto | none | required | function, with the function's name) checked against the request's tools
+    -> (the service's tool_choice, the forced function's name)."""
+    if choice is None or choice in ("auto", "none"):
+        return choice or "auto", None
+    names = [t["function"]["name"] for t in tools or () if isinstance(t, Mapping) and "function" in t]
+    if not names:
+        raise InvalidRequest(f"{param} forces a tool call, but the request has no tools", param=param)
+    if choice == "function" and name not in names:
+        raise InvalidRequest(f"{param}: no tool is named {name!r}", param=param)
+    return choice, name if choice == "function" else None
 
 
 def to_completion(b: CompletionRequestBody, served: ServedModel) -> tuple[CompletionRequest, Stream]:

@@ -180,12 +180,34 @@ class TokenizerInfo(_Out):
 
 
 # the top-level response models /openapi.json names (their parts come along)
+class ResponsesUsage(_Out):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(_Out):
+    """POST /v1/responses: output items are `reasoning`, `message` and `function_call` (server/responses_api.py)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]
+    incomplete_details: dict[str, Any] | None = None
+    usage: ResponsesUsage | None = None
+
+
 DOCUMENTED = (
     "ErrorResponse",
     "ModelList",
     "ModelCard",
     "ChatCompletionResponse",
     "CompletionResponse",
+    "ResponseObject",
     "TokenizeResponse",
     "DetokenizeResponse",
     "Health",

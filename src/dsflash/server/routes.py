@@ -18,7 +18,8 @@ from starlette.responses import Response
 
 from dsflash import __version__
 from dsflash.errors import ModelSourceError, NotReady
-from dsflash.server import openapi, protocol, render, responses, sse
+from dsflash.server import openapi, protocol, render, responses, responses_api, sse
+from dsflash.server.errors import classify, error_frame
 from dsflash.server.metrics import CONTENT_TYPE
 from dsflash.server.protocol import Stream
 from dsflash.server.render import Meta
@@ -37,24 +38,48 @@ def json_reply(obj, status: int = 200) -> Response:
 class Generation:
     """A generation request, parsed: what to open, how to render it, where to count it."""
 
-    endpoint: str  # chat | completion
+    endpoint: str  # chat | completion | responses
     request: ChatRequest | CompletionRequest
     stream: Stream
-    meta: Meta
+    meta: Meta | responses_api.ResponseMeta
     ignored: list[str]
 
     def open(self, generator):
-        if self.endpoint == "chat":
-            return generator.open_chat(self.request)
-        return generator.open_completion(self.request)
+        if self.endpoint == "completion":
+            return generator.open_completion(self.request)
+        return generator.open_chat(self.request)
 
     def render_stream(self, deltas):
-        fn = render.stream_chat if self.endpoint == "chat" else render.stream_completion
-        return fn(deltas, self.meta)
+        return _RENDER[self.endpoint][0](deltas, self.meta)
 
     def render_full(self, deltas):
-        fn = render.full_chat if self.endpoint == "chat" else render.full_completion
-        return fn(deltas, self.meta)
+        return _RENDER[self.endpoint][1](deltas, self.meta)
+
+    def frame(self, obj: dict) -> bytes:
+        """One SSE frame: the Responses API names each event (`event: <type>`), chat and completions do not."""
+        if self.endpoint == "responses":
+            return b"event: " + obj["type"].encode() + b"\n" + sse.frame(obj)
+        return sse.frame(obj)
+
+    def error_frame(self, exc: BaseException) -> bytes:
+        """An error after the stream started: the chat envelope as data, or the Responses API's `error` event."""
+        if self.endpoint == "responses":
+            err = classify(exc)[1]["error"]
+            return self.frame({"type": "error", "sequence_number": 0, "code": err["code"] or err["type"],
+                               "message": err["message"], "param": err["param"]})  # fmt: skip
+        return sse.raw_frame(error_frame(exc))
+
+    @property
+    def done(self) -> bytes:
+        """What ends the stream: `data: [DONE]`, except in the Responses API (its last event is the end)."""
+        return b"" if self.endpoint == "responses" else sse.DONE
+
+
+_RENDER = {
+    "chat": (render.stream_chat, render.full_chat),
+    "completion": (render.stream_completion, render.full_completion),
+    "responses": (responses_api.stream_response, responses_api.full_response),
+}
 
 
 class GenerationResponse(Response):
@@ -82,6 +107,10 @@ def _card(app: App) -> dict:
 
 
 def _generation(app: App, kind: str, body, raw) -> Generation:
+    if kind == "responses":
+        req, stream, echo = responses_api.to_responses(body, app.served)
+        meta = responses_api.ResponseMeta(app.served.model_id, echo)
+        return Generation(kind, replace(req, request_id=meta.id), stream, meta, protocol.unknown_fields(body))
     if kind == "chat":
         req, stream = protocol.to_chat(body, raw, app.served)
     else:
@@ -188,6 +217,18 @@ def install(api: FastAPI, app: App) -> None:
             "/v1/chat/completions",
             generation("chat", protocol.ChatCompletionRequest),
             _Doc("chat completion", responses.ChatCompletionResponse, protocol.ChatCompletionRequest, True, gen_errors),
+        ),
+        (
+            "POST",
+            "/v1/responses",
+            generation("responses", responses_api.ResponsesRequest),
+            _Doc(
+                "a response (OpenAI's Responses API)",
+                responses.ResponseObject,
+                responses_api.ResponsesRequest,
+                True,
+                gen_errors,
+            ),  # fmt: skip
         ),
         (
             "POST",

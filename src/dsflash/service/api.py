@@ -47,12 +47,23 @@ class GenerationOptions:
 
 
 @dataclass(frozen=True)
+class JsonFormat:
+    """Structured output: the content is JSON valid against `schema` (None: any JSON object)."""
+
+    schema: Mapping | None = None
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     messages: Sequence[Mapping]  # OpenAI messages; text/chat.py validates them while encoding
     options: GenerationOptions = GenerationOptions()
     chat: ChatOptions = ChatOptions()
     tools: Sequence[Mapping] | None = None
-    tool_choice: Literal["auto", "none"] = "auto"
+    # required: some call of `tools` is forced; function: a call of tool_name is forced
+    tool_choice: Literal["auto", "none", "required", "function"] = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True  # a forced block may hold several calls
+    response_format: JsonFormat | None = None
     request_id: str | None = None
     cache_salt: str | None = None  # prefixes match only requests with the same salt (vLLM's field)
 

@@ -33,6 +33,7 @@ from dsflash.service.api import (
 )
 from dsflash.text.chat import encode_chat
 from dsflash.text.detokenizer import Detokenizer, token_text
+from dsflash.text.grammar import Grammar, GrammarCache
 from dsflash.text.reasoning import REASONING, ReasoningParser
 from dsflash.text.stops import StopMatcher
 from dsflash.text.tokenizer import BOS, Tokenizer
@@ -68,6 +69,7 @@ class Generator:
         self.clock = clock
         self.max_tokens_default, self.max_tokens_limit = max_tokens_default, max_tokens_limit
         self.recent_s: deque[float] = deque(maxlen=RECENT)  # engine time (prefill + decode) of recent requests
+        self.grammars = GrammarCache(tokenizer)
 
     @classmethod
     def serving(cls, booted: Booted) -> Generator:
@@ -152,8 +154,22 @@ class Generator:
         ids = self.chat_prompt(req)
         thinking = bool(ids) and ids[-1] == self.tokenizer.think_open_id  # the output starts inside reasoning
         tools = bool(req.tools) and req.tool_choice != "none"
+        grammar = self.chat_grammar(req)
+        if grammar is not None and thinking:  # the reasoning is free; the grammar holds from `</think>` on
+            grammar = grammar.starting_after(self.tokenizer.think_close_id)
         pipe = _Pipeline(self.tokenizer, req.options, reasoning=thinking, tools=tools)
-        return self._submit(ids, req.options, pipe, req.request_id, t0, param="messages", salt=req.cache_salt)
+        return self._submit(ids, req.options, pipe, req.request_id, t0, param="messages", salt=req.cache_salt,
+                            constraint=grammar)  # fmt: skip
+
+    def chat_grammar(self, req: ChatRequest) -> Grammar | None:
+        """The grammar a chat request's output must follow: a forced tool call (which wins), a JSON format, or None.
+        Compiled here, on the caller's thread (a schema llguidance cannot do is the client's 400)."""
+        if req.tools and req.tool_choice in ("required", "function"):
+            name = req.tool_name if req.tool_choice == "function" else None
+            return self.grammars.tool_call(req.tools, name, req.parallel_tool_calls, self.release)
+        if req.response_format is not None:
+            return self.grammars.json_schema(req.response_format.schema)
+        return None
 
     def open_completion(self, req: CompletionRequest) -> Stream:
         t0 = self.clock()
@@ -178,7 +194,7 @@ class Generator:
         return iter(self.open_chat(req) if isinstance(req, ChatRequest) else self.open_completion(req))
 
     def _submit(self, ids, opts: GenerationOptions, pipe: _Pipeline, request_id, t0: float, param: str,
-                salt: str | None = None) -> Stream:  # fmt: skip
+                salt: str | None = None, constraint: Grammar | None = None) -> Stream:  # fmt: skip
         n = len(ids)
         if n >= self.max_len:
             raise ContextTooLong(f"the prompt is {n} tokens; this model's context is {self.max_len} tokens", param)
@@ -205,6 +221,7 @@ class Generator:
             prompt_logprobs=prompt_lp,
             min_tokens=min(opts.min_tokens, max_tokens),
             eos_ids=() if opts.ignore_eos else tuple(self.tokenizer.eos_ids),
+            constraint=constraint,
         )
         request = GenerationRequest(tuple(ids), params, cache_salt=salt)
         if request_id is not None:

@@ -1,14 +1,29 @@
-"""logits -> next token (+ logprobs): greedy, temperature, top_k, top_p, min_p, min_tokens, per-request seed."""
+"""logits -> next token (+ logprobs): greedy, temperature, top_k, top_p, min_p, min_tokens, per-request seed, and a
+per-request constraint on which tokens may come next (structured output; the runtime knows only the mask)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
+import numpy as np
 import torch
 
 MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
+
+class TokenConstraint(Protocol):
+    """One sequence's allowed-token state: allowed() before each draw, advance() with the token drawn."""
+
+    def allowed(self) -> np.ndarray | None:
+        """uint8 [ceil(n / 8)]: bit i % 8 (little-endian) of byte i // 8 set where token i may come next (the
+        bitmask grammar engines compute; ids past its end may not), or None: any token."""
+        ...
+
+    def advance(self, token: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -26,6 +41,9 @@ class SamplingParams:
     # vLLM's min_tokens: until this many tokens are out, EOS (eos_ids) and stop_token_ids are never sampled
     min_tokens: int = 0
     eos_ids: tuple[int, ...] = ()
+    # a fresh TokenConstraint per sequence (structured output), or None; the sampler applies its mask before anything
+    # else, and logprobs are then those of the masked distribution
+    constraint: Callable[[], TokenConstraint] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -58,18 +76,27 @@ class Sampler:
         self.params = params
         self.sampled = 0  # tokens drawn so far: the engine calls once per generated token
         self.held_back = list({*params.eos_ids, *params.stop_token_ids}) if params.min_tokens else []
+        self.constraint = params.constraint() if params.constraint is not None else None
         self.gen = torch.Generator()
         self.gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
 
     def __call__(self, logits: torch.Tensor) -> Sample:
-        """logits [V] fp32 -> the next token; logprobs are of the unmodified distribution, as vLLM reports them."""
+        """logits [V] fp32 -> the next token; logprobs are of the distribution before min_tokens' hold-back, as vLLM
+        reports them (after a constraint's mask: what it forbids has probability 0)."""
         logits = logits.float().cpu()
+        allowed = self.constraint.allowed() if self.constraint is not None else None
+        if allowed is not None:
+            logits = _mask(logits, allowed)
         raw = logits
         if self.sampled < self.params.min_tokens and self.held_back:
-            logits = logits.clone()
-            logits[self.held_back] = -torch.inf
+            held = logits.clone()
+            held[self.held_back] = -torch.inf
+            if allowed is None or bool(torch.isfinite(held).any()):  # a constraint that allows only EOS wins
+                logits = held
         self.sampled += 1
         token = _argmax(logits) if self.params.greedy else self._draw(logits)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         k = self.params.logprobs
         if k is None:
             return Sample(token)
@@ -92,6 +119,23 @@ class Sampler:
             drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
             probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0))
         return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+
+
+# byte -> the 8 logit offsets its bits mean (0: allowed, -inf: not)
+_BYTE_BIAS = np.where(
+    np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool), 0, -np.inf
+).astype(np.float32)
+
+
+def _mask(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
+    """logits [V] with -inf where the bitmask allowed [ceil(n / 8)] has no bit (or ends). A table lookup per byte and
+    one add, in numpy: ~5x faster than unpacking to bools and a where (numbers in docs/performance.md)."""
+    x = logits.contiguous().numpy()
+    n = x.shape[0]
+    bias = np.take(_BYTE_BIAS, allowed, axis=0).reshape(-1)
+    if bias.shape[0] < n:
+        bias = np.concatenate([bias, np.full(n - bias.shape[0], -np.inf, dtype=np.float32)])
+    return torch.from_numpy(np.add(x, bias[:n]))
 
 
 def _argmax(logits: torch.Tensor) -> int:
