@@ -77,8 +77,7 @@ class Sampler:
         self.sampled = 0  # tokens drawn so far: the engine calls once per generated token
         self.held_back = list({*params.eos_ids, *params.stop_token_ids}) if params.min_tokens else []
         self.constraint = params.constraint() if params.constraint is not None else None
-        self.gen = torch.Generator()
-        self.gen.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        self.rng = np.random.default_rng(params.seed if params.seed is not None else int.from_bytes(os.urandom(8)))
 
     def __call__(self, logits: torch.Tensor) -> Sample:
         """logits [V] fp32 -> the next token; logprobs are of the distribution before min_tokens' hold-back, as vLLM
@@ -104,21 +103,54 @@ class Sampler:
         return Sample(token, float(lp[token]), top_logprobs(lp, k))
 
     def _draw(self, logits: torch.Tensor) -> int:
+        """temperature, then top_k, min_p and top_p (vLLM's order), then one draw; in numpy, over the tokens still
+        possible (a constraint's mask leaves few), sorting only those top_p can keep: torch's sort and multinomial
+        over the whole vocabulary cost more than a small model's decode step (docs/performance.md)."""
         p = self.params
-        x = logits / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
-            x = x.masked_fill(x < kth, -torch.inf)
-        probs = torch.softmax(x, dim=-1)
+        x = logits.contiguous().numpy() / np.float32(p.temperature)
+        e = np.exp(x - x.max())  # unnormalised: the largest is 1, what is masked is 0
+        if p.top_k == 0 and p.min_p == 0 and p.top_p == 1:
+            return _pick(e, self.rng.random())
+        ids = np.flatnonzero(e)  # the filters select among the possible tokens only (partitions slow on ties)
+        v = e[ids]
+        if 0 < p.top_k < v.shape[0]:
+            keep = v >= np.partition(v, v.shape[0] - p.top_k)[v.shape[0] - p.top_k]
+            ids, v = ids[keep], v[keep]
         if p.min_p > 0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0)
+            keep = v >= p.min_p
+            ids, v = ids[keep], v[keep]
         if p.top_p < 1:
-            sorted_p, order = probs.sort(descending=True)
-            # drop a token once the mass before it already reaches top_p; the first always stays
-            drop = (sorted_p.cumsum(0) - sorted_p) >= p.top_p
-            drop[0] = False  # a top_p below fp32's smallest value compares as 0 and would drop it too
-            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0))
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=self.gen))
+            keep = _nucleus(v, p.top_p)
+            ids, v = ids[keep], v[keep]
+        return int(ids[_pick(v, self.rng.random())])
+
+
+def _nucleus(v: np.ndarray, top_p: float, first: int = 1024) -> np.ndarray:
+    """Indices of the smallest most-likely set of v whose mass reaches top_p of the whole (the most likely always
+    stays): sorted among the `first` largest, then 8x as many, until the set fits."""
+    need, n, k = top_p * float(v.sum(dtype=np.float64)), v.shape[0], first
+    while k < n:
+        part = np.argpartition(v, n - k)[n - k :]
+        if float(v[part].sum(dtype=np.float64)) >= need:
+            break
+        k *= 8
+    else:
+        part = np.arange(n)
+    order = part[np.argsort(-v[part])]
+    before = np.cumsum(v[order], dtype=np.float64) - v[order]
+    keep = order[before < need]
+    return keep if keep.shape[0] else order[:1]  # a top_p below the float's resolution: the most likely alone
+
+
+def _pick(v: np.ndarray, u: float, block: int = 1024) -> int:
+    """The index at mass u * sum(v) of the unnormalised probabilities v >= 0, in float64: first the block (block
+    sums), then the index inside it, so no cumulative sum runs over the whole vocabulary."""
+    sums = np.cumsum(np.add.reduceat(v, np.arange(0, v.shape[0], block), dtype=np.float64))
+    target = u * sums[-1]
+    b = min(int(np.searchsorted(sums, target, side="right")), sums.shape[0] - 1)
+    rest = target - (sums[b - 1] if b else 0.0)
+    part = np.cumsum(v[b * block : (b + 1) * block], dtype=np.float64)
+    return b * block + min(int(np.searchsorted(part, rest, side="right")), part.shape[0] - 1)
 
 
 # byte -> the 8 logit offsets its bits mean (0: allowed, -inf: not)
