@@ -1,4 +1,7 @@
-"""Real `dsflash serve` processes on loopback with the embedded model, in temporary state and cache directories."""
+"""Real `dsflash serve` processes on loopback with the embedded model, in temporary state and cache directories.
+
+Servers get the random embedded model (real V4.1 tokenizer, never stops on its own) unless the arguments name a
+model: the tests below rely on both properties. The trained default model has its own tests (test_demo.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 
 API_KEY = "test-key-0123456789"
 BOOT_TIMEOUT = 120.0
+TINY = "dsflash-tiny-v4.1"
 
 
 def free_port() -> int:
@@ -102,9 +106,18 @@ def dsflash_env(state: Path, cache: Path) -> dict:
 
 
 def start_server(
-    tmp: Path, cache: Path, *args: str, port: int | None = None, api_key: str | None = None, env: dict | None = None
+    tmp: Path,
+    cache: Path,
+    *args: str,
+    port: int | None = None,
+    api_key: str | None = None,
+    env: dict | None = None,
+    model: str | None = TINY,
 ) -> Server:
+    """`dsflash serve [MODEL] ARGS`; `model` (None: the default) unless ARGS start with one."""
     port = port or free_port()
+    if model is not None and (not args or args[0].startswith("-")):
+        args = (model, *args)
     env = dict(env) if env is not None else dsflash_env(tmp / "state", cache)
     if api_key:
         env["DSFLASH_API_KEY"] = api_key

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 from dsflash.checkpoint.index import Checkpoint
-from dsflash.service.catalog import EMBEDDED, choose
+from dsflash.service.catalog import DEMO, EMBEDDED, choose
 from dsflash.service.embedded import ensure_embedded
 from dsflash.text.token_map import compressed_token_map
 from dsflash.text.tokenizer import Tokenizer
@@ -36,6 +37,9 @@ def test_generated_twice_is_byte_identical_and_reused(tmp_path):
 
 def test_model_names_resolve():
     assert choose(None).embedded and choose(None).profile.context == 9216
+    demo = choose(DEMO)
+    assert demo.model_id == DEMO and not demo.embedded and demo.profile.context == 9216
+    assert (Path(demo.source) / "config.json").is_file()  # shipped in the package, nothing to generate
     c = choose("rothgar/deepseek-v4.1-flash-p300x2", "p300x2-32k")
     assert (c.source, c.profile.context) == ("deepseek-ai/DeepSeek-V4.1-Flash@2cba9e42", 33792)
     assert choose("org/name@abc").source == "org/name@abc" and choose("org/name@abc").model_id == "org/name"

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from tests.model.conftest import ROOT
-from tests.server.conftest import dsflash_env, free_port, port_open, start_server
+from tests.server.conftest import TINY, dsflash_env, free_port, port_open, start_server
 
 
 def dsflash(env, *args, timeout=120) -> subprocess.CompletedProcess:
@@ -54,7 +54,7 @@ def test_boot_port_walk_detach_stop(tmp_path):
         env = a.env
         t0 = time.monotonic()
         b = dsflash(
-            env, "serve", "--port", str(port), "--detach", "--default-chat-template-kwargs", '{"thinking": false}'
+            env, "serve", TINY, "--port", str(port), "--detach", "--default-chat-template-kwargs", '{"thinking": false}'
         )
         assert b.returncode == 0, b.stdout + b.stderr
         assert time.monotonic() - t0 < 60

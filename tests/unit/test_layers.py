@@ -36,6 +36,8 @@ ALLOWED = {
         "paths",
         "counters",
     },
+    # training the demo model: the model code, the checkpoint writer and the text encoders, never the engine
+    "train": {"model", "checkpoint", "text", "formats", "config", "errors", "paths"},
     "cli": None,  # anything
     "__init__": set(),
     "__main__": {"cli"},
@@ -89,6 +91,14 @@ def test_imports_point_down(package, path):
             continue
         target = parts[1]
         assert target == package or target in allowed, f"{package} may not import {target} ({path.name})"
+
+
+def test_nothing_imports_the_training_package():
+    """Serving loads the committed demo weights; it never trains (nor imports torch.optim with the trainer)."""
+    for package, path in _modules():
+        if package != "train":
+            bad = [n for n in _imports(path) if n.split(".")[:2] == ["dsflash", "train"]]
+            assert not bad, f"{path.name} imports {bad[0]}"
 
 
 def _wing(path: Path) -> str | None:

@@ -1,8 +1,9 @@
 """write_checkpoint: a random checkpoint of any config in the official format, streamed tensor by tensor.
 
 Names, dtypes and shapes come from names.py; values are deterministic in (seed, tensor name, chunk) and follow
-the init rule of the tiny golden fixtures, so activations neither vanish nor saturate. Safetensors files are
-written by hand (header first, then the bytes) so that no more than a few chunks are ever in memory.
+the init rule of the tiny golden fixtures, so activations neither vanish nor saturate. Given `values` (fp32
+logical tensors by name, e.g. trained weights) replace the random ones and are encoded the same way. Safetensors
+files are written by hand (header first, then the bytes) so that no more than a few chunks are ever in memory.
 """
 
 from __future__ import annotations
@@ -89,8 +90,15 @@ def chunk_rows(spec: TensorSpec, cfg: ModelConfig) -> int:
     return rows
 
 
+# write_checkpoint's `values` while it runs (in-process only: chunk jobs carry names, not tensors)
+_GIVEN: dict[str, torch.Tensor] = {}
+
+
 def _values(spec: TensorSpec, cfg: ModelConfig, seed: int, r0: int, r1: int) -> torch.Tensor:
     """fp32 (int64 for tid2eid) rows r0:r1 of the logical tensor."""
+    given = _GIVEN.get(spec.name)
+    if given is not None:
+        return given[r0:r1].float()
     g = _generator(seed, spec.name, r0 // chunk_rows(spec, cfg))
     shape = (r1 - r0, *spec.logical[1:])
     role = spec.row.init
@@ -279,11 +287,19 @@ def write_checkpoint(
     write_index: bool = True,
     workers: int | None = None,
     progress=None,
+    values: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Random checkpoint of `config` (ModelConfig, HF config dict, or config.json path) in `out_dir`.
     `workers`: processes (default: one per core for large checkpoints, else in-process); `progress(nbytes)` is
-    called as data is written. Returns out_dir."""
+    called as data is written; `values`: fp32 logical tensors by name that replace the random ones (written
+    in-process). Returns out_dir."""
     raw, cfg = _config(config)
+    values = values or {}
+    specs = {s.name: s for s in expected_inventory(cfg) if not s.is_scale}
+    for name, t in values.items():
+        if name not in specs or tuple(t.shape) != tuple(specs[name].logical):
+            want = tuple(specs[name].logical) if name in specs else "no such tensor"
+            raise CheckpointError(f"value for {name}: shape {tuple(t.shape)}, the checkpoint has {want}")
     if seed < 0:
         raise CheckpointError(f"seed must be >= 0, got {seed}")
     if shards > 1 and not write_index:
@@ -295,15 +311,18 @@ def write_checkpoint(
     total = sum(s.nbytes for units in layout for u in units for s in u)
     if workers is None:
         workers = (os.cpu_count() or 1) if total >= PROCESS_MIN_BYTES else 1
-    if "fork" not in multiprocessing.get_all_start_methods():
+    if "fork" not in multiprocessing.get_all_start_methods() or values:
         workers = 1
     _remove_stale(out, files)
     partial = [out / (f + ".partial") for f in files]
     jobs = itertools.chain.from_iterable(_shard_jobs(p, units, cfg, seed) for p, units in zip(partial, layout))
+    _GIVEN.update(values)
     try:
         _run(jobs, workers, progress)
     except OSError as e:
         raise CheckpointError(f"cannot write the checkpoint to {out}: {e}") from None
+    finally:
+        _GIVEN.clear()
     for p, f in zip(partial, files):
         os.replace(p, out / f)
     if write_index:

@@ -26,6 +26,8 @@ def run(args) -> int:
         where = bundle.repo and f"{bundle.repo}@{bundle.revision}" if bundle else choice.source
         if choice.source == EMBEDDED:
             where = "embedded (generated on first boot)"
+        elif bundle is not None and bundle.packaged is not None:
+            where = "trained, shipped in the package"
         print(f"{choice.model_id}  ({where})")
         profiles = bundle.profiles if bundle else (choice.profile,)
         for i, prof in enumerate(profiles):

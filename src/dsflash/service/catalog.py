@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from dsflash.errors import ModelSourceError
 
 DEFAULT_CONTEXT = 9216
 DEFAULT_PROFILE = "default"
-EMBEDDED = "dsflash-tiny-v4.1"  # the model `dsflash serve` serves without a MODEL argument
+DEMO = "dsflash-demo-v4.1"  # trained here, shipped in the package (src/dsflash/train, data/demo-v4.1)
+EMBEDDED = "dsflash-tiny-v4.1"  # random, with the real tokenizer, generated on first boot (tests, benchmarks)
+# what `dsflash serve` serves without a MODEL argument; DEMO once it meets issue 23's accuracy (docs/performance.md)
+DEFAULT_MODEL = EMBEDDED
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?$")
 
 
@@ -31,10 +35,11 @@ class Bundle:
     """A serving bundle: a pinned checkpoint plus its profiles (the first one is the default)."""
 
     name: str
-    repo: str | None  # Hub repo id of the weights; None for the embedded model
+    repo: str | None  # Hub repo id of the weights; None for the embedded and the packaged models
     revision: str | None
     profiles: tuple[Profile, ...]
     description: str
+    packaged: str | None = None  # a checkpoint directory under dsflash/data shipped with the package
 
     @property
     def default_profile(self) -> Profile:
@@ -61,6 +66,14 @@ BUNDLES: dict[str, Bundle] = {
             "2cba9e42",
             (_DEFAULT, Profile("p300x2-32k", 33792, "33792-token context (long prompts; slower decode)")),
             "DeepSeek-V4.1-Flash for a QuietBox 2 (2x p300c, 4 Blackhole chips)",
+        ),
+        Bundle(
+            DEMO,
+            None,
+            None,
+            (_DEFAULT,),
+            "small DeepSeek-V4.1 trained here (greets, says who it is, thinks and stops; see docs/performance.md)",
+            packaged="demo-v4.1",
         ),
         Bundle(
             EMBEDDED,
@@ -95,10 +108,13 @@ class ModelChoice:
 
 def choose(spec: str | None, profile: str | None = None) -> ModelChoice:
     """MODEL (or None for the embedded default) and --profile -> ModelChoice; unknown names fail with one line."""
-    spec = spec or EMBEDDED
+    spec = spec or DEFAULT_MODEL
     bundle = BUNDLES.get(spec)
     if bundle is not None:
         prof = bundle.profile(profile)
+        if bundle.packaged is not None:
+            aliases = ("default",) if bundle.name == DEFAULT_MODEL else ()
+            return ModelChoice(bundle.name, str(packaged_dir(bundle.packaged)), prof, bundle, aliases=aliases)
         if bundle.repo is None:
             return ModelChoice(bundle.name, EMBEDDED, prof, bundle, aliases=("default",))
         source = f"{bundle.repo}@{bundle.revision}"
@@ -116,3 +132,8 @@ def choose(spec: str | None, profile: str | None = None) -> ModelChoice:
     raise ModelSourceError(
         f"{spec!r} is not a known bundle ({known}), a Hugging Face repo id (org/name[@revision]) or a directory"
     )
+
+
+def packaged_dir(name: str) -> Path:
+    """A checkpoint directory shipped inside the package (dsflash/data/NAME)."""
+    return Path(str(resources.files("dsflash") / "data" / name))

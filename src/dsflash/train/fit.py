@@ -1,0 +1,194 @@
+"""Train the demo model and write it in the official format: `python -m dsflash.train OUT_DIR`.
+
+Reproducible: every random draw comes from RECIPE's seed, torch runs single-threaded, and the recipe's hash is
+stamped into the model directory (STAMP) with the training time and the held-out accuracy per family.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dsflash.checkpoint.index import Checkpoint
+from dsflash.checkpoint.load import load_experts, load_into
+from dsflash.checkpoint.writer import write_checkpoint
+from dsflash.config import ModelConfig
+from dsflash.model.experts import ResidentExperts
+from dsflash.model.transformer import Transformer
+from dsflash.text.chat import ASSISTANT
+from dsflash.text.token_map import compressed_token_map
+from dsflash.text.tokenizer import EOS, THINK_CLOSE, THINK_OPEN, Tokenizer
+from dsflash.train import vocab
+from dsflash.train.data import FAMILIES, Generator, check_text, render_conversation
+from dsflash.train.model import Trainable, demo_config
+
+STAMP = "dsflash-demo.json"
+RECIPE = {
+    "version": 1,
+    "seed": 23,
+    "bpe_vocab": 3072,
+    "tokenizer_conversations": 4000,
+    "steps": 400,
+    "batch_tokens": 1536,
+    "lr": 3e-3,
+    "warmup": 30,
+    "weight_decay": 0.01,
+    "clip": 1.0,
+    "threads": 1,
+    "eval_per_family": 30,
+    "eval_seed": 1023,
+}
+
+
+def recipe_hash(recipe: dict = RECIPE) -> str:
+    """Hash of the recipe and of the code's config template (what the weights depend on)."""
+    blob = json.dumps([recipe, demo_config(0, 0, 0)], sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def target_mask(ids: list[int], tok: Tokenizer) -> list[bool]:
+    """True at the tokens an assistant writes: after `<｜Assistant｜>` and its think marker, through EOS."""
+    assistant, think = tok.token_to_id(ASSISTANT), {tok.token_to_id(THINK_OPEN), tok.token_to_id(THINK_CLOSE)}
+    eos = tok.token_to_id(EOS)
+    mask, inside = [], False
+    for i, t in enumerate(ids):
+        mask.append(inside)
+        if t == eos:
+            inside = False
+        elif t in think and i > 0 and ids[i - 1] == assistant:
+            inside = True
+    return mask
+
+
+def batch(gen: Generator, tok: Tokenizer, budget: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conversations until `budget` tokens (padded to the longest): (tokens [b, s], loss mask [b, s])."""
+    rows: list[list[int]] = []
+    while True:
+        ids = tok.encode(render_conversation(*gen.conversation()))
+        longest = max([len(ids), *map(len, rows)])
+        if rows and longest * (len(rows) + 1) > budget:
+            break
+        rows.append(ids)
+    s = max(map(len, rows))
+    tokens = torch.full((len(rows), s), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), s, dtype=torch.bool)
+    for i, ids in enumerate(rows):
+        tokens[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = torch.tensor(target_mask(ids, tok))
+    return tokens, mask
+
+
+def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
+    """Tokenizer, training, checkpoint and held-out evaluation into `out`; returns the stamp."""
+    torch.set_num_threads(recipe["threads"])
+    seed = recipe["seed"]
+    random.seed(seed)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    gen = Generator(seed)
+    texts = [render_conversation(*gen.conversation()) for _ in range(recipe["tokenizer_conversations"])]
+    work = Path(tempfile.mkdtemp(prefix=".demo-"))
+    try:
+        vocab.save(vocab.train_tokenizer(texts, recipe["bpe_vocab"]), work / "tokenizer")
+        tok = Tokenizer.from_dir(work / "tokenizer")
+        token_map = compressed_token_map(tok.backend)
+        config = demo_config(tok.vocab_size, max(token_map) + 1, tok.token_to_id(vocab.NOISE), tok.bos_id, tok.eos_id)
+        cfg = ModelConfig.from_dict(config)
+        model = Trainable(cfg, token_map, seed)
+        params = model.parameters()
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": recipe["weight_decay"]}, {"params": rest, "weight_decay": 0.0}],
+            lr=recipe["lr"],
+            betas=(0.9, 0.95),
+        )
+        steps, warm = recipe["steps"], recipe["warmup"]
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt,
+            lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))),
+        )
+        pad = tok.token_to_id(vocab.PAD)
+        for step in range(steps):
+            tokens, mask = batch(gen, tok, recipe["batch_tokens"], pad)
+            logits = model.forward(tokens)
+            loss = F.cross_entropy(logits[:, :-1][mask[:, 1:]], tokens[:, 1:][mask[:, 1:]])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, recipe["clip"])
+            opt.step()
+            sched.step()
+            if step % 20 == 0 or step == steps - 1:
+                log(f"step {step} loss {loss.item():.3f} tokens {tuple(tokens.shape)} {time.perf_counter() - t0:.0f}s")
+        train_s = time.perf_counter() - t0
+        model_dir = work / "model"
+        write_checkpoint(config, model_dir, seed=seed, tokenizer_dir=work / "tokenizer", values=model.values())
+        acc = evaluate(model_dir, recipe["eval_per_family"], recipe["eval_seed"], log=log)
+        stamp = {
+            "recipe": recipe_hash(recipe),
+            **recipe,
+            "train_seconds": round(train_s),
+            "held_out_accuracy": acc,
+            "dspark": "not trained (random draft heads from the writer's init)",
+        }
+        (model_dir / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(model_dir, out)
+        return stamp
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def load(model_dir: Path) -> tuple[Tokenizer, Transformer, ResidentExperts]:
+    """The checkpoint through the loader every model uses (reference math: fp32, experts resident)."""
+    ckpt = Checkpoint.open(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
+    model = Transformer(ckpt.config, token_map=compressed_token_map(tok.backend))
+    load_into(model, ckpt)
+    experts = ResidentExperts(load_experts(ckpt, ckpt.config), ckpt.config.swiglu_limit)
+    return tok, model.eval(), experts
+
+
+def greedy(model: Transformer, experts, prompt: list[int], eos: int, max_new: int = 80) -> list[int]:
+    state = model.new_state(len(prompt) + max_new)
+    logits = model(torch.tensor([prompt]), 0, state, experts, last_only=True)
+    out: list[int] = []
+    while len(out) < max_new:
+        nxt = int(logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt == eos:
+            break
+        logits = model(torch.tensor([[nxt]]), state.length, state, experts, last_only=True)
+    return out
+
+
+def evaluate(model_dir: Path, per_family: int, seed: int, log=print) -> dict[str, float]:
+    """Greedy held-out accuracy per family (half thinking, half chat mode), plus how often thinking-mode answers
+    close their reasoning and end with EOS."""
+    tok, model, experts = load(model_dir)
+    gen = Generator(seed, held_out=True)
+    acc, closed, n_think = {}, 0, 0
+    for family in FAMILIES:
+        right = 0
+        for i in range(per_family):
+            sample = gen.sample(family, thinking=i % 2 == 0)
+            out = greedy(model, experts, tok.encode(sample.prompt()), tok.eos_id)
+            text = tok.decode(out)
+            right += check_text(sample, text)
+            if sample.thinking:
+                n_think += 1
+                closed += out[-1] == tok.eos_id and THINK_CLOSE in text
+        acc[family] = round(right / per_family, 3)
+        log(f"held-out {family}: {acc[family]:.2f}")
+    acc["thinking_closed_and_stopped"] = round(closed / max(n_think, 1), 3)
+    return acc

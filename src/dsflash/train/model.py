@@ -1,0 +1,243 @@
+"""The demo model's config and a training view of the V4.1 model code (model/), teacher-forced over sequences.
+
+Training runs model/'s own forward on a fresh decode state per batch (start_pos 0, whole sequences) with three
+substitutions of the same math, each undone on exit:
+- sparse attention as one masked dense product (the gathered rows of the serving kernel cost far more memory);
+- the activation fake-quant points (FP8 window KV, FP4 compressed KV and indexer) pass gradients straight through;
+- weights are used as the checkpoint will store them (FP8 blocks, FP4 experts, bf16, FP8 Engram rows), also with
+  straight-through gradients, so what is trained is what is served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from torch import nn
+
+from dsflash.checkpoint.names import expected_inventory
+from dsflash.checkpoint.writer import quant_fp4, quant_rows, tensor_values
+from dsflash.config import ModelConfig
+from dsflash.formats import fp4, fp8
+from dsflash.model import attention, dspark
+from dsflash.model.experts import ResidentExperts
+from dsflash.model.state import DecodeState
+from dsflash.model.transformer import Transformer
+
+
+def demo_config(vocab_size: int, compressed_vocab: int, noise_id: int, bos: int = 0, eos: int = 1) -> dict:
+    """HF config.json of the demo model: every V4.1 block kind at widths that train on two CPU cores."""
+    text = {
+        "model_type": "deepseek_v41_text",
+        "vocab_size": vocab_size,
+        "hidden_size": 96,
+        "num_hidden_layers": 8,
+        "num_nextn_predict_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "q_lora_rank": 64,
+        "o_lora_rank": 64,
+        "o_groups": 2,
+        # the tools prompt is ~250 tokens: the called tool's schema stays inside the window
+        "sliding_window": 256,
+        "rms_norm_eps": 1e-20,
+        "rope_theta": 10000,
+        "compress_rope_theta": 160000,
+        "max_position_embeddings": 65536,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        # as the random embedded model: 0-1 SWA (Engram before 1); 2 ratio-2 KV+index source; 3 its consumer
+        # (Engram before it); 4 ratio-1 KV+index+candidate source; 5 consumer; 6 index source over 4's
+        # candidates; 7 consumer; 8-9 DSpark
+        "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1, 0, 0],
+        "kv_source_layer_ids": [2, 4],
+        "index_source_layer_ids": [2, 4, 6],
+        "candidate_source_layer_id": 4,
+        "candidate_topk_blocks": 16,
+        "candidate_block_size": 8,
+        "index_n_heads": 4,
+        "index_head_dim": 32,
+        "index_topk": 64,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 96,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "hidden_act": "silu",
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "engram_layer_ids": [1, 3],
+        "engram_num_embeddings": [1060, 1134],  # the primes engram_vocab_size implies
+        "engram_max_ngram_size": 3,
+        "engram_n_heads": 2,
+        "engram_head_dim": 32,
+        "engram_vocab_size": 256,
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": compressed_vocab,
+        "dspark_block_size": 3,
+        "dspark_noise_token_id": noise_id,
+        "dspark_target_layer_ids": [5, 6, 7],
+        "dspark_markov_rank": 16,
+        "dspark_n_routed_experts": 4,
+        "dspark_num_experts_per_tok": 2,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+    }
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": 2,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [32, 32],
+            "expert_dtype": "fp4",
+        },
+        "text_config": text,
+    }
+
+
+def _ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """q's value, x's gradient."""
+    return x + (q - x).detach()
+
+
+def stored(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
+    """x as the checkpoint holds it (the loader's dequantized value), with x's gradient."""
+    with torch.no_grad():
+        w = x.detach()
+        if fmt == "fp8":
+            q = fp8.dequant_block(*fp8.quant_block(w, block), block)
+        elif fmt == "fp4":
+            q = fp4.dequant(*quant_fp4(w))
+        elif fmt == "fp8_rows":
+            table, scale = quant_rows(w)
+            q = fp8.dequant_rows(table, scale, torch.arange(w.shape[0]), block)
+        elif fmt == "bf16":
+            q = w.to(torch.bfloat16).float()
+        else:
+            return x
+    return _ste(x, q)
+
+
+class TrainTable(nn.Module):
+    """Engram's FP8 table as a trainable fp32 tensor; looked-up rows as serving sees them (FP8 rows, then bf16)."""
+
+    def __init__(self, weight: torch.Tensor, block: int):
+        super().__init__()
+        self.table = nn.Parameter(weight.clone())
+        self.block = block
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return stored(self.table, "fp8_rows", self.block)[ids].to(torch.bfloat16)
+
+
+class Trainable:
+    """The demo model's weights as fp32 leaves, by checkpoint name, and the forward that trains them."""
+
+    def __init__(self, cfg: ModelConfig, token_map: list[int], seed: int):
+        self.cfg = cfg
+        self.specs = {s.name: s for s in expected_inventory(cfg) if not s.is_scale}
+        self.model = Transformer(cfg, token_map=token_map, dspark=True)
+        for name, p in self.model.named_parameters():
+            p.data = tensor_values(cfg, name, seed)
+            p.requires_grad_(not name.startswith("mtp."))
+        self.tables = {}
+        for lid in cfg.engram_layer_ids:
+            name = f"layers.{lid}.engram.embed.weight"
+            table = TrainTable(tensor_values(cfg, name, seed), cfg.fp8_block)
+            self.model.layers[lid].engram.embed = table
+            self.tables[name] = table.table
+        self.experts = {}
+        for lid, spec in enumerate(cfg.layers()):
+            if spec.is_dspark:
+                continue  # DSpark stages are not trained here: their experts keep the writer's values
+            for e in range(spec.n_experts):
+                for w in ("w1", "w3", "w2"):
+                    name = f"layers.{lid}.ffn.experts.{e}.{w}.weight"
+                    self.experts[name] = tensor_values(cfg, name, seed).requires_grad_(True)
+        # the DSpark stages are left as written: forward() never reaches them
+        self.dense = {n: p for n, p in self.model.named_parameters() if n in self.specs and not n.startswith("mtp.")}
+        self.trained = dict(self.dense)
+        self.trained |= self.tables | self.experts
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.trained.values())
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """Every trained tensor by checkpoint name (fp32), for writer.write_checkpoint(values=...)."""
+        return {n: t.detach().clone() for n, t in self.trained.items()}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [b, s] from position 0 -> logits [b, s, V], with gradients."""
+        cfg, block = self.cfg, self.cfg.fp8_block
+        params = {n: stored(p, self.specs[n].row.fmt, block) for n, p in self.dense.items()}
+        routed = {}
+        for lid, spec in enumerate(cfg.layers()):
+            if not spec.is_dspark:
+                for e in range(spec.n_experts):
+                    names = [f"layers.{lid}.ffn.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
+                    routed[(lid, e)] = tuple(stored(self.experts[n], "fp4", block) for n in names)
+        experts = ResidentExperts(routed, cfg.swiglu_limit)
+        state = DecodeState.allocate(cfg, tokens.shape[1], tokens.shape[0])
+        model = self.model
+        model.forward = types.MethodType(Transformer.forward.__wrapped__, model)  # without inference_mode
+        try:
+            with training_math():
+                return torch.func.functional_call(model, params, (tokens, 0, state, experts), strict=False)
+        finally:
+            del model.forward
+
+
+def dense_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float):
+    """attention.sparse_attention's math as one masked product: softmax over the selected rows, sink in the
+    denominator only. q [b, s, h, d], kv [b, n, d], idx [b, s, k] (-1 = none)."""
+    b, s, h, _ = q.shape
+    hits = torch.zeros(b, s, kv.shape[1], dtype=torch.int32, device=q.device)
+    hits.scatter_add_(-1, idx.long().clamp_min(0), (idx >= 0).to(torch.int32))
+    logits = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale
+    logits = logits.masked_fill((hits == 0).unsqueeze(2), -torch.inf)
+    sinks = sink.float().view(1, 1, h, 1).expand(b, s, h, 1)
+    p = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("bshn,bnd->bshd", p, kv.float()).to(q.dtype)
+
+
+def _ste_qdq(qdq):
+    def wrapped(x, *args, **kwargs):
+        return _ste(x, qdq(x.detach(), *args, **kwargs))
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def training_math():
+    """The substitutions of the module docstring, for the duration of one forward."""
+    saved = [(attention, "sparse_attention"), (dspark, "sparse_attention"), (fp8, "qdq"), (fp4, "qdq")]
+    old = [getattr(m, n) for m, n in saved]
+    attention.sparse_attention = dspark.sparse_attention = dense_attention
+    fp8.qdq, fp4.qdq = _ste_qdq(old[2]), _ste_qdq(old[3])
+    try:
+        yield
+    finally:
+        for (m, n), v in zip(saved, old):
+            setattr(m, n, v)

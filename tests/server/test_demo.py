@@ -1,0 +1,86 @@
+"""The trained demo model (dsflash-demo-v4.1) through a real server and the real openai client, on held-out prompts:
+it greets and says who it is, thinking answers carry reasoning and content and stop, tool calls it writes come back
+as OpenAI `tool_calls`. Nothing here trains; the gates on it are measured in docs/performance.md.
+
+Arithmetic, repeating and tool arguments are not asserted: the committed weights do not meet issue 23's accuracy
+there yet (docs/performance.md, "demo model")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+
+from dsflash.service.catalog import DEMO, choose
+from dsflash.train.data import FAMILIES, Generator, check
+from tests.server.conftest import start_server
+
+PER_FAMILY = 2  # the training script measures the full held-out set; this is a sample
+SEED = 2024  # not the training script's evaluation seed: other held-out prompts
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory, model_cache):
+    tmp = tmp_path_factory.mktemp("demo")
+    srv = start_server(tmp, model_cache, "--max-model-len", "1024", model=DEMO)  # the session's kernels
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def answers(demo):
+    client = openai.OpenAI(base_url=demo.base + "/v1", api_key="none", max_retries=0, timeout=60)
+    gen = Generator(SEED, held_out=True)
+    out = []
+    for family in FAMILIES:
+        for i in range(PER_FAMILY):
+            sample = gen.sample(family, thinking=i % 2 == 0)
+            r = client.chat.completions.create(
+                model=DEMO,
+                messages=sample.messages,
+                tools=sample.tools or openai.NOT_GIVEN,
+                max_tokens=80,
+                temperature=0,
+                extra_body={"chat_template_kwargs": {"thinking": sample.thinking}},
+            )
+            out.append((sample, r.choices[0]))
+    return out
+
+
+def _right(sample, choice) -> bool:
+    msg = choice.message
+    calls = [(c.function.name, c.function.arguments) for c in msg.tool_calls or []]
+    return check(sample, msg.content or "", getattr(msg, "reasoning_content", None) or "", calls)
+
+
+def test_the_packaged_model_boots_without_generating(demo):
+    out = demo.wait_output("Ready in")
+    assert DEMO in out and "generated" not in out
+    assert Path(choose(DEMO).source).is_dir()
+
+
+def test_it_greets_and_says_it_is_the_demo_model(answers):
+    said = [_right(s, c) for s, c in answers if s.family in ("greeting", "identity")]
+    assert sum(said) >= 0.9 * len(said), [c.message.content for s, c in answers if s.family == "greeting"]
+
+
+def test_tool_calls_come_back_as_openai_tool_calls(answers):
+    calls = [(s, c) for s, c in answers if s.family == "tool_call" and c.message.tool_calls]
+    assert calls  # the DSML block it writes is parsed, whatever the argument
+    for _, choice in calls:
+        assert choice.finish_reason == "tool_calls"
+        assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+
+
+def test_thinking_answers_reason_then_answer_then_stop(answers):
+    thinking = [(s, c) for s, c in answers if s.thinking and s.family != "tool_call"]
+    good = [
+        c.finish_reason == "stop" and getattr(c.message, "reasoning_content", None) and c.message.content
+        for _, c in thinking
+    ]
+    assert sum(map(bool, good)) >= 0.9 * len(thinking), [c.message for _, c in thinking]

@@ -1,0 +1,70 @@
+"""The demo model's training data and tokenizer: the real V4.1 encoding, held-out values apart, every added token."""
+
+from __future__ import annotations
+
+import torch
+
+from dsflash.checkpoint.index import Checkpoint
+from dsflash.checkpoint.writer import write_checkpoint
+from dsflash.config import ModelConfig
+from dsflash.service.catalog import BUNDLES, DEMO, packaged_dir
+from dsflash.text.chat import parse_completion
+from dsflash.text.tokenizer import V41, Tokenizer
+from dsflash.train import data
+from dsflash.train.fit import target_mask
+from dsflash.train.model import demo_config, stored
+
+
+def test_every_family_renders_in_the_v41_encoding_and_its_reference_answer_checks():
+    gen = data.Generator(5)
+    for family in data.FAMILIES:
+        for thinking in (True, False):
+            s = gen.sample(family, thinking)
+            answer = s.full()[len(s.prompt()) :]
+            assert data.check_text(s, answer), (family, answer)
+            parsed = parse_completion(answer, thinking)
+            assert bool(parsed.reasoning) == thinking and bool(parsed.tool_calls) == (family == "tool_call")
+
+
+def test_a_wrong_answer_does_not_check():
+    s = data.Generator(6).sample("tool_call", True)
+    wrong = s.full()[len(s.prompt()) :].replace(s.expect["name"], "other_tool")
+    assert not data.check_text(s, wrong)
+    a = data.Generator(6).sample("arithmetic", False)
+    assert not data.check_text(a, "I do not know.<｜end▁of▁sentence｜>")
+
+
+def test_held_out_values_never_appear_in_training_pools():
+    train, held = data.Generator(1), data.Generator(1, held_out=True)
+    assert held.cities and held.words and held.tool_pairs
+    assert not set(train.cities) & set(held.cities) and not set(train.words) & set(held.words)
+    assert not set(train.tool_pairs) & set(held.tool_pairs)
+    assert {train.operands()[:3] for _ in range(300)}.isdisjoint({held.operands()[:3] for _ in range(100)})
+
+
+def test_the_loss_mask_covers_exactly_the_assistant_turns():
+    tok = Tokenizer.from_dir(packaged_dir(BUNDLES[DEMO].packaged))
+    msgs, tools, thinking = data.Generator(8).conversation()
+    ids = tok.encode(data.render_conversation(msgs, tools, thinking))
+    mask = target_mask(ids, tok)
+    spans = tok.decode([t for t, m in zip(ids, mask) if m])
+    assert spans.count("<｜end▁of▁sentence｜>") == sum(m["role"] == "assistant" for m in msgs)
+    assert "<｜User｜>" not in spans and "<｜Assistant｜>" not in spans
+
+
+def test_the_packaged_tokenizer_carries_every_v41_added_token():
+    real = Tokenizer.bundled(V41).backend.get_added_tokens_decoder()
+    tok = Tokenizer.from_dir(packaged_dir(BUNDLES[DEMO].packaged))
+    ours = {t.content: t.special for t in tok.backend.get_added_tokens_decoder().values()}
+    assert ours == {t.content: t.special for t in real.values()}
+    assert (tok.bos_id, tok.eos_id, tok.token_to_id("<｜▁pad▁｜>")) == (0, 1, 2)
+    assert tok.vocab_size == ModelConfig.from_file(packaged_dir(BUNDLES[DEMO].packaged) / "config.json").vocab_size
+
+
+def test_given_values_are_written_as_the_training_forward_saw_them(tmp_path):
+    cfg = ModelConfig.from_dict(demo_config(4096, 3000, 5))
+    w = torch.randn(cfg.q_lora_rank, cfg.hidden_size)
+    name = "layers.0.attn.wq_a.weight"
+    write_checkpoint(cfg, tmp_path, values={name: w}, tokenizer_dir=None)
+    got = Checkpoint.open(tmp_path).tensor(name)
+    assert torch.equal(got, stored(w, "fp8", cfg.fp8_block))
