@@ -132,7 +132,7 @@ def _assert_rows_match(rec_rows, slot, solo_rows):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_batched_sequences_equal_their_solo_runs(files, tmp_path_factory, tp):
     lengths = [3, 40, 17, 9, 60, 25, 5, 33] if tp == 1 else [3, 40, 9]
-    gen = 8 if tp == 1 else 4  # (TP 2's steps cost three times TP 1's on two cores)
+    gen = 6 if tp == 1 else 4  # (TP 2's steps cost three times TP 1's on two cores)
     spec = EngineSpec(tp=tp, cache_dir=str(tmp_path_factory.mktemp("stores")), max_num_seqs=len(lengths))
     runner = start_engine(files.ckpt, files.token_map, 256, spec)
     try:
@@ -141,41 +141,42 @@ def test_batched_sequences_equal_their_solo_runs(files, tmp_path_factory, tp):
         # per-request sampling: a seeded sampled sequence and one with its own stop id
         requests[1] = GenerationRequest(requests[1].prompt, SamplingParams(temperature=0.9, seed=5, max_tokens=gen))
         solo = _solo(rec, requests)
-        stop_at = _tokens(solo[2][0])[gen - 2]
+        want = [(_tokens(events), [e.finish_reason for e in events]) for events, _ in solo]
+        # one sequence with a stop id of its own: alone it ends at that id's first occurrence
+        stop_at = want[2][0][gen - 2]
         requests[2] = GenerationRequest(requests[2].prompt, _greedy(gen + 2, stop_token_ids=(stop_at,)))
-        solo[2] = _solo(rec, [requests[2]])[0]
-        assert solo[2][0][-1].finish_reason == "stop"
+        end = want[2][0].index(stop_at) + 1
+        want[2] = (want[2][0][:end], [None] * (end - 1) + ["stop"])
         got, sizes = _batch(rec, requests)
-        assert max(sizes) == len(lengths), sizes  # all of them did decode together
-        for i, ((want, rows), events) in enumerate(zip(solo, got, strict=True)):
-            assert _tokens(events) == _tokens(want), i
-            assert [e.finish_reason for e in events] == [e.finish_reason for e in want]
+        assert max(sizes) >= len(lengths) - 1, sizes  # all of them but the one stopping early decoded together
+        for i, ((tokens, reasons), events, (_, rows)) in enumerate(zip(want, got, solo, strict=True)):
+            assert (_tokens(events), [e.finish_reason for e in events]) == (tokens, reasons), i
             if i != 1:  # a sampled sequence's rows follow its own tokens: compared through them
                 _assert_rows_match(rec.rows, i, rows)
         if tp == 1:
-            _cancel_and_fail(rec, requests, solo)
+            _cancel_and_fail(rec, requests, want)
             _prefix_restores_into_each_slot(rec, runner, spec, requests, solo)
     finally:
         runner.close()
 
 
-def _cancel_and_fail(rec, requests, solo):
+def _cancel_and_fail(rec, requests, want):
     """One sequence cancelled after its third token and one whose sampling fails: the others are unchanged."""
     requests = list(requests)
     requests[4] = replace(requests[4], request_id="boom")
     got, _ = _batch(rec, requests, engine_cls=Failing, cancel=0)
     assert got[0][-1].finish_reason == "cancelled"
-    assert _tokens(got[0]) == _tokens(solo[0][0])[: len(_tokens(got[0]))] and len(_tokens(got[0])) >= 3
+    assert _tokens(got[0]) == want[0][0][: len(_tokens(got[0]))] and len(_tokens(got[0])) >= 3
     assert isinstance(got[4], RuntimeError)
     for i in (1, 2, 3, 5, 6, 7):
-        assert _tokens(got[i]) == _tokens(solo[i][0]), i
+        assert _tokens(got[i]) == want[i][0], i
 
 
 def _prefix_restores_into_each_slot(rec, runner, spec, requests, solo):
     """The next turn of three of the conversations, batched with a prefix cache: each restores its own state, as
     the one-at-a-time engine with its own cache does (a state built by decode steps is not bit for bit the plain
     prefill's, so reuse is compared with reuse)."""
-    picked = [3, 5, 7]
+    picked = [3, 6]
     turns = [
         GenerationRequest(requests[i].prompt + tuple(_tokens(solo[i][0])) + _prompt(i + 50, 6), _greedy(4))
         for i in picked

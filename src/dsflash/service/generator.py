@@ -121,6 +121,10 @@ class Generator:
         """What /metrics shows of the engine now; the keys are api.GAUGES."""
         return {"queue_depth": self.engine.queue.depth, "requests_running": self.engine.running}
 
+    def step_histograms(self) -> dict[str, dict[int, int]]:
+        """Cumulative counts by value of each of api.STEP_HISTOGRAMS."""
+        return self.engine.step_histograms()
+
     def prefix_stats(self) -> dict[str, float]:
         """The prefix cache's counters and sizes now; the keys are api.PREFIX_METRICS."""
         cache = getattr(self.engine, "prefix", None)

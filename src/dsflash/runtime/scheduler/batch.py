@@ -54,21 +54,22 @@ class Seq:
         return self.last is None and self.token is None
 
 
-@dataclass
 class StepLog:
-    """What the engine's steps did, for /metrics: per decode step its batch size, per step its tokens."""
+    """What the engine's steps did, for /metrics, as cumulative counts (bounded, read from any thread): decode
+    steps by how many sequences they advanced, engine steps by how many tokens they computed."""
 
-    batch_sizes: list[int] = field(default_factory=list)
-    step_tokens: list[int] = field(default_factory=list)
+    def __init__(self):
+        self.batch_sizes: dict[int, int] = {}
+        self.step_tokens: dict[int, int] = {}
 
     def add(self, batch: int, tokens: int) -> None:
         if batch:
-            self.batch_sizes.append(batch)
-        self.step_tokens.append(tokens)
+            self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
+        if tokens:
+            self.step_tokens[tokens] = self.step_tokens.get(tokens, 0) + 1
 
-    def drain(self) -> tuple[list[int], list[int]]:
-        out, self.batch_sizes, self.step_tokens = (self.batch_sizes, self.step_tokens), [], []
-        return out
+    def histograms(self) -> dict[str, dict[int, int]]:
+        return {"batch_size": dict(self.batch_sizes), "step_tokens": dict(self.step_tokens)}
 
 
 class BatchEngine(Engine):
@@ -88,6 +89,9 @@ class BatchEngine(Engine):
     @property
     def running(self) -> int:
         return len(self.seqs)
+
+    def step_histograms(self) -> dict[str, dict[int, int]]:
+        return self.steps.histograms()
 
     def close(self, cancel_running: bool = True) -> None:
         if cancel_running:

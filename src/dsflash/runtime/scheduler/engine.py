@@ -72,6 +72,11 @@ class Engine:
         """Sequences being prefilled or decoded now."""
         return int(self.current is not None)
 
+    def step_histograms(self) -> dict[str, dict[int, int]]:
+        """Decode steps by sequences advanced and steps by tokens computed (runtime/scheduler/batch.py keeps
+        them; one sequence at a time every decode step is one token)."""
+        return {"batch_size": {}, "step_tokens": {}}
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
