@@ -155,6 +155,7 @@ def test_batched_sequences_equal_their_solo_runs(files, tmp_path_factory, tp):
                 _assert_rows_match(rec.rows, i, rows)
         if tp == 1:
             _cancel_and_fail(rec, requests, want)
+            _close_while_decoding(rec, requests[0])
             _prefix_restores_into_each_slot(rec, runner, spec, requests, solo)
     finally:
         runner.close()
@@ -170,6 +171,16 @@ def _cancel_and_fail(rec, requests, want):
     assert isinstance(got[4], RuntimeError)
     for i in (1, 2, 3, 5, 6, 7):
         assert _tokens(got[i]) == want[i][0], i
+
+
+def _close_while_decoding(rec, request):
+    """Shutting the engine down ends a running sequence's stream with "cancelled" (its consumer never hangs)."""
+    engine = BatchEngine(rec, EOS, prefill_chunk=CHUNK).start()
+    handle = engine.submit(replace(request, params=_greedy(200)))
+    events = iter(handle)
+    next(events)
+    engine.close()
+    assert [e.finish_reason for e in events][-1] == "cancelled"
 
 
 def _prefix_restores_into_each_slot(rec, runner, spec, requests, solo):

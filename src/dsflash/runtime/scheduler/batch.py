@@ -110,6 +110,9 @@ class BatchEngine(Engine):
                 prefilled = self._prefill_pass()
                 decoded = self._decode_step()
                 self.steps.add(decoded, decoded + prefilled)
+            for seq in list(self.seqs):  # shut down (close() cancelled them): each consumer gets its ending
+                self._finish(seq.handle, TokenEvent(None, seq.index, finish_reason="cancelled"))
+                self._leave(seq)
         except BaseException as e:  # the thread itself is going down: fail everyone, never hang them
             log.error("engine thread stopped: %s", e)
             dead = e if isinstance(e, EngineDead) else EngineDead(f"the engine failed: {e}")
