@@ -34,6 +34,7 @@ def test_definitions(outputs):
     assert r["mean_ttft_ms"] == pytest.approx(600.0)
     tpots = [300 / 3, 600 / 2]  # (latency - ttft) / (tokens - 1), single-token requests excluded
     assert r["mean_tpot_ms"] == pytest.approx(np.mean(tpots))
+    assert r["per_stream_output_throughput"] == pytest.approx(np.mean([1000 / t for t in tpots]))  # tok/s a stream
     assert r["p99_tpot_ms"] == pytest.approx(np.percentile(tpots, 99))
     assert r["mean_itl_ms"] == pytest.approx(np.mean([100, 100, 100, 200, 400]))
     assert r["median_e2el_ms"] == pytest.approx(800.0)

@@ -56,6 +56,9 @@ def calculate(outputs: list[RequestOutput], duration: float, percentiles: list[f
         "request_goodput": None,
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,
+        # what one stream sees beside the others (decode tokens after the first per second, mean over requests);
+        # output_throughput is the aggregate of all streams
+        "per_stream_output_throughput": float(np.mean([1 / t for t in tpots if t > 0])) if tpots else 0.0,
         "input_lens": [o.prompt_len for o in outputs],
         "output_lens": lens,
         "ttfts": [o.ttft for o in outputs],

@@ -36,6 +36,7 @@ def console(result: dict, max_concurrency: int | None, request_rate: float, metr
     row("Total generated tokens:", result["total_output_tokens"])
     row("Request throughput (req/s):", result["request_throughput"], "{:<10.2f}")
     row("Output token throughput (tok/s):", result["output_throughput"], "{:<10.2f}")
+    row("Per-stream decode throughput (tok/s):", result["per_stream_output_throughput"], "{:<10.2f}")
     row("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], "{:<10.2f}")
     row("Peak concurrent requests:", result["max_concurrent_requests"], "{:<10.2f}")
     row("Total token throughput (tok/s):", result["total_token_throughput"], "{:<10.2f}")

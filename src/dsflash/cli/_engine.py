@@ -65,6 +65,21 @@ def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: 
         "stream less per prompt token (long prompts' TTFT) and hold more activations",
     )
     p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=SPEC.max_num_seqs,
+        help="sequences decoded together, one token each per step: the dense weights and the routed experts a step "
+        "reads serve all of them (1: one sequence at a time; every TP rank holds a decode state per sequence)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SPEC.max_num_batched_tokens,
+        help="tokens one step may compute while sequences run: their decode tokens plus the prefill pass of a new "
+        "prompt that joins between two decode steps; lower keeps the running streams' inter-token gaps short while "
+        "a long prompt is admitted (default: --prefill-chunk + --max-num-seqs)",
+    )
+    p.add_argument(
         "--record-routing",
         default=None,
         type=os.path.abspath,  # one absolute file, whichever process (a detached child) opens it
@@ -129,8 +144,9 @@ def engine_spec(args, **fields):
         "cache_dir": args.cache_dir,
         "rebuild_store": args.rebuild,
     }
-    if hasattr(args, "prefill_chunk"):
-        given["prefill_chunk"] = args.prefill_chunk
+    for name in ("prefill_chunk", "max_num_seqs", "max_num_batched_tokens"):
+        if hasattr(args, name):
+            given[name] = getattr(args, name)
     if getattr(args, "record_routing", None):
         given["record_routing"] = args.record_routing
     if hasattr(args, "no_prefix_cache"):

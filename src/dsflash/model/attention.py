@@ -46,6 +46,17 @@ class Step:
         return self.start_pos + self.length
 
 
+@dataclass
+class BatchStep:
+    """One decode token of each of several sequences, each at its own position over its own state: the dense parts
+    see the tokens as one chunk [1, B] (one pass over their weights), attention runs per sequence (`steps[i]`)."""
+
+    steps: list[Step]
+    positions: torch.Tensor  # [B] each token's absolute position
+    trace: dict | None = None
+    static: bool = False
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float):
     """q [b, s, h, d], kv [b, n, d] (K = V), sink [h], idx [b, s, k] (-1 = none) -> [b, s, h, d].
 
@@ -138,7 +149,9 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, spec, tp)
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [b, s, d] -> [b, s, d]"""
+        """x [b, s, d] -> [b, s, d] (a BatchStep: x [1, B, d], token i of sequence step.steps[i])"""
+        if isinstance(step, BatchStep):
+            return self.forward_batch(x, step)
         cis = self.rope.cis(step.positions)
         qr = self.q_norm(self.wq_a(x))
         q = self.rope.rotate(self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim)), cis)
@@ -149,6 +162,21 @@ class Attention(nn.Module):
             kv, idx = torch.cat([kv, ckv], dim=1), torch.cat([idx, cidx], dim=-1)
         o = sparse_attention(q, kv, self.attn_sink, idx, self.scale)
         return self.output(self.rope.rotate(o, cis, inverse=True))
+
+    def forward_batch(self, x: torch.Tensor, batch: BatchStep) -> torch.Tensor:
+        """x [1, B, d]: the projections over all B tokens at once, the attention of each over its own state."""
+        cis = self.rope.cis(batch.positions)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.rope.rotate(self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim)), cis)
+        kv_all = self.window_kv(x, cis, batch.steps[0].qat)
+        outs = []
+        for i, step in enumerate(batch.steps):
+            kv, idx = self.window_rows(kv_all[:, i : i + 1], step)
+            if self.spec.ratio:
+                ckv, cidx = self.compressed_rows(x[:, i : i + 1], qr[:, i : i + 1], step, offset=kv.shape[1])
+                kv, idx = torch.cat([kv, ckv], dim=1), torch.cat([idx, cidx], dim=-1)
+            outs.append(sparse_attention(q[:, i : i + 1], kv, self.attn_sink, idx, self.scale))
+        return self.output(self.rope.rotate(torch.cat(outs, dim=1), cis, inverse=True))
 
     def window_kv(self, x: torch.Tensor, cis: torch.Tensor, qat: bool) -> torch.Tensor:
         kv = self.rope.rotate(self.kv_norm(self.wkv(x)), cis)

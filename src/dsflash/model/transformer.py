@@ -8,7 +8,7 @@ from torch import nn
 from dsflash.config import ModelConfig
 from dsflash.errors import ConfigError, ContextTooLong, UnsupportedInput
 from dsflash.model import mhc
-from dsflash.model.attention import Step
+from dsflash.model.attention import BatchStep, Step
 from dsflash.model.block import Block, Embedding, Head, make_ropes
 from dsflash.model.dspark import DSparkBlock, draft
 from dsflash.model.engram import Engram, EngramHasher
@@ -98,6 +98,42 @@ class Transformer(nn.Module):
         if taps:
             return logits, torch.cat(tapped, dim=-1) if tapped else None
         return logits
+
+    @torch.inference_mode()
+    def decode_batch(
+        self, tokens: list[int], positions: list[int], states: list[DecodeState], experts: ExpertBackend
+    ) -> torch.Tensor:
+        """One decode token of each of B sequences (token i at positions[i], continuing states[i]) -> fp32 logits
+        [B, V]. Dense products and the routed experts take the B tokens as one chunk (each weight read once for
+        all of them, experts expert-major over the union of the tokens' routes); attention runs per sequence."""
+        B = len(tokens)
+        if not B or len(positions) != B or len(states) != B:
+            raise ValueError(f"decode_batch: {B} tokens, {len(positions)} positions, {len(states)} states")
+        if len({id(s) for s in states}) != B:
+            raise ValueError("decode_batch: a sequence's state appears twice in one step")
+        device = states[0].layers[0].window.device
+        ids_t = torch.tensor([tokens], dtype=torch.int64, device=device)  # [1, B]
+        steps = []
+        for i, (p, st) in enumerate(zip(positions, states, strict=True)):
+            self.check_input(ids_t[:, i : i + 1], p, st)
+            steps.append(Step(p, 1, st, self.qat, torch.arange(p, p + 1, device=device)))
+        batch = BatchStep(steps, torch.tensor(positions, dtype=torch.int64, device=device))
+        ids = None
+        if self.hasher:
+            ids = torch.cat(
+                [self.hasher(ids_t[:, i : i + 1], s.start_pos, s.state.engram_history) for i, s in enumerate(steps)],
+                dim=1,
+            )
+        x = self.embed(ids_t).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
+        pre_mix = mhc.identity_pre(x)
+        for i, layer in enumerate(self.layers):
+            if hasattr(layer, "engram"):
+                x = layer.engram(x, ids[:, :, self.cfg.engram_layer_ids.index(i)])
+            x, pre_mix = layer(x, pre_mix, batch, experts)
+        logits = self.head(self.norm(mhc.collapse(x, pre_mix)))
+        for s in steps:
+            s.state.length = s.end
+        return logits[0]
 
     def check_input(self, tokens: torch.Tensor, start_pos: int, state: DecodeState) -> None:
         if tokens.dim() != 2 or tokens.shape[1] == 0:

@@ -42,6 +42,12 @@ class EngineSpec:
     # the CPU has AMX, else fp32. fp32 and bf16x2 keep TP degrees equal to fp32 noise.
     prefill_matmul: str = AUTO
     prefill_chunk: int = 512  # prompt tokens per prefill pass (each pass streams the experts it touches once)
+    # sequences decoded together, one token each per step (1: one at a time, as the engine always did); every rank
+    # holds a decode state per sequence
+    max_num_seqs: int = 1
+    # tokens one engine step may compute with several sequences running: the decode tokens plus the prefill chunk
+    # that joins between two decode steps; None: prefill_chunk + max_num_seqs (prefill passes as long as alone)
+    max_num_batched_tokens: int | None = None
     threads: int | None = None  # torch / kernel threads per rank; None: 1 for a tiny model, else cores / local ranks
     qat: bool = True  # the model's activation fake-quant points (DeepSeek's inference code has them on)
     dspark: bool = False  # load the DSpark draft stages (speculative decoding is off in serving)
@@ -72,6 +78,13 @@ class EngineSpec:
             raise ConfigError(f"--expert-slots must be at least 1, got {self.expert_slots}")
         if self.prefill_chunk < 1:
             raise ConfigError("--prefill-chunk must be >= 1")
+        if type(self.max_num_seqs) is not int or self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be a positive integer, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_num_seqs:
+            raise ConfigError(
+                f"--max-num-batched-tokens {self.max_num_batched_tokens} must exceed --max-num-seqs "
+                f"{self.max_num_seqs}: a step's budget holds every running sequence's token and some prefill"
+            )
         if (self.prefix_cache_gb is not None and self.prefix_cache_gb < 0) or self.prefix_cache_disk_gb < 0:
             raise ConfigError("--prefix-cache-gb and --prefix-cache-disk-gb must be >= 0")
         if self.threads is not None and self.threads < 1:
@@ -85,6 +98,12 @@ class EngineSpec:
         ):
             if value not in choices:
                 raise ConfigError(f"{name} {value!r}: choose one of {', '.join(choices)}")
+
+    @property
+    def batched_tokens(self) -> int:
+        """max_num_batched_tokens with its default applied."""
+        n = self.max_num_batched_tokens
+        return n if n is not None else self.prefill_chunk + self.max_num_seqs
 
     @property
     def resolved(self) -> bool:

@@ -73,7 +73,7 @@ class App:
         self.served: ServedModel | None = None  # what requests are checked against, from the attached service
         self.generator: Generator | None = None
         self.created = int(time.time())
-        self.metrics = Metrics(model_id, self._gauges, self._prefix_stats)
+        self.metrics = Metrics(model_id, self._gauges, self._prefix_stats, self._step_histograms)
         self.jobs: set[_Job] = set()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.api = self._build(tuple(allowed_origins))
@@ -117,6 +117,10 @@ class App:
         gen = self.generator
         gauges = gen.gauges() if gen is not None else dict.fromkeys(GAUGES, 0)
         return {**gauges, "ready": 1 if self.state == "ready" else 0}
+
+    def _step_histograms(self) -> dict[str, dict[int, int]]:
+        gen = self.generator
+        return gen.step_histograms() if gen is not None else {}
 
     def _prefix_stats(self) -> dict[str, float]:
         gen = self.generator

@@ -10,15 +10,16 @@ from collections.abc import Callable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from dsflash.counters import PROMETHEUS
-from dsflash.service.api import PREFIX_METRICS, RequestStats
+from dsflash.service.api import PREFIX_METRICS, STEP_HISTOGRAMS, RequestStats
 
 OUTCOMES = ("ok", "cancelled", "rejected", "invalid", "error")
 ENDPOINTS = ("chat", "completion")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # sequences or tokens per step
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 P = "dsflash:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # generate_latest's format
@@ -30,8 +31,9 @@ prometheus_client.disable_created_metrics()
 class _Live:
     """Values read when scraped (the engine's gauges, the prefix cache's stats), not kept here."""
 
-    def __init__(self, model: str, gauges: Callable[[], dict[str, float]], prefix: Callable[[], dict[str, float]]):
-        self.model, self.gauges, self.prefix = model, gauges, prefix
+    def __init__(self, model: str, gauges: Callable[[], dict[str, float]], prefix: Callable[[], dict[str, float]],
+                 steps: Callable[[], dict[str, dict[int, int]]] = dict):  # fmt: skip
+        self.model, self.gauges, self.prefix, self.steps = model, gauges, prefix, steps
 
     def collect(self):
         for name, value in sorted(self.gauges().items()):
@@ -45,6 +47,14 @@ class _Live:
             m = family(P + (name.removesuffix("_total") if kind == "counter" else name), text, labels=["model_name"])
             m.add_metric([self.model], stats.get(name, 0))
             yield m
+        steps = self.steps()
+        for name, text in STEP_HISTOGRAMS.items():
+            h = HistogramMetricFamily(P + name, text, labels=["model_name"])
+            counts = steps.get(name, {})
+            cumulative = [(str(b), sum(n for v, n in counts.items() if v <= b)) for b in STEP_BUCKETS]
+            cumulative.append(("+Inf", sum(counts.values())))
+            h.add_metric([self.model], cumulative, sum(v * n for v, n in counts.items()))
+            yield h
 
 
 class Metrics:
@@ -55,6 +65,7 @@ class Metrics:
         model: str,
         gauges: Callable[[], dict[str, float]] = dict,
         prefix: Callable[[], dict[str, float]] = dict,
+        steps: Callable[[], dict[str, dict[int, int]]] = dict,
     ):
         self.model = model
         self.registry = r = CollectorRegistry(auto_describe=True)
@@ -94,7 +105,7 @@ class Metrics:
             label,
             registry=r,
         ).labels(model)
-        r.register(_Live(model, gauges, prefix))
+        r.register(_Live(model, gauges, prefix, steps))
 
     def record(self, endpoint: str, outcome: str, stats: RequestStats | None, e2e_s: float | None) -> None:
         self.requests.labels(self.model, endpoint, outcome).inc()

@@ -15,6 +15,11 @@ MAX_LOGPROBS = 20
 # request without a limit must not hold a one-sequence server for minutes (a chat at the full context ran 3.5 min)
 MAX_TOKENS_DEFAULT = 2048
 GAUGES = ("queue_depth", "requests_running")  # what Generator.gauges() reports (zero while nothing is attached)
+# what Generator.step_histograms() reports: name -> help; the server exposes each as the histogram dsflash:<name>
+STEP_HISTOGRAMS = {
+    "batch_size": "Sequences each decode step advanced (continuous batching, --max-num-seqs).",
+    "step_tokens": "Tokens each engine step computed (decode tokens plus the prefill joining them).",
+}
 # what Generator.prefix_stats() reports (zero while nothing is attached or reuse is off): name -> (kind, help);
 # the server exposes each as dsflash:<name>
 PREFIX_METRICS = {

@@ -186,7 +186,9 @@ class EngineBackend:
 
         allocate(self._runner)
         slots = self._runner.rank0.experts.pool.n_slots  # the request, clipped to the model and to memory
-        return f"{slots:,} expert slots per rank over the open store; decode state for {max_len:,} tokens"
+        seqs = self.spec.max_num_seqs
+        states = f"decode state for {max_len:,} tokens" + (f" x {seqs} sequences" if seqs > 1 else "")
+        return f"{slots:,} expert slots per rank over the open store; {states}"
 
     def runner(self):
         return self._runner
@@ -267,6 +269,7 @@ def _allocate(ctx: _Ctx) -> str:
 
 def _warm(ctx: _Ctx) -> str:
     from dsflash.runtime.prefix.cache import prefix_cache
+    from dsflash.runtime.scheduler.batch import BatchEngine
     from dsflash.runtime.scheduler.engine import Engine
 
     runner = ctx.backend.runner()
@@ -279,7 +282,12 @@ def _warm(ctx: _Ctx) -> str:
     step = time.perf_counter() - t0
     chunk = ctx.opts.engine.prefill_chunk
     prefix = prefix_cache(runner, ctx.opts.engine)
-    ctx.engine = Engine(runner, tok.eos_ids, max_queue=ctx.opts.max_queue, prefill_chunk=chunk, prefix=prefix)
+    spec = ctx.opts.engine
+    if getattr(runner, "n_seqs", 1) > 1:
+        ctx.engine = BatchEngine(runner, tok.eos_ids, max_queue=ctx.opts.max_queue, prefill_chunk=chunk, prefix=prefix,
+                                 max_num_batched_tokens=spec.batched_tokens)  # fmt: skip
+    else:
+        ctx.engine = Engine(runner, tok.eos_ids, max_queue=ctx.opts.max_queue, prefill_chunk=chunk, prefix=prefix)
     ctx.engine.start()
     return f"prefill + one decode step in {step * 1000:.0f} ms; engine thread started; {_prefix_line(prefix)}"
 

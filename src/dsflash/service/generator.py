@@ -96,8 +96,9 @@ class Generator:
         recent mean engine time each; within [RETRY_MIN_S, RETRY_MAX_S]."""
         if not self.recent_s:
             return RETRY_MIN_S
-        ahead = self.engine.queue.depth + int(self.engine.current is not None)
-        wait = ahead * sum(self.recent_s) / len(self.recent_s)
+        # sequences run max_num_seqs at a time: the queue drains that many times faster
+        ahead = self.engine.queue.depth + self.engine.running
+        wait = ahead * sum(self.recent_s) / len(self.recent_s) / self.engine.max_num_seqs
         return max(RETRY_MIN_S, min(RETRY_MAX_S, math.ceil(wait)))
 
     def tokenizer_info(self) -> dict:
@@ -120,7 +121,11 @@ class Generator:
 
     def gauges(self) -> dict[str, int]:
         """What /metrics shows of the engine now; the keys are api.GAUGES."""
-        return {"queue_depth": self.engine.queue.depth, "requests_running": int(self.engine.current is not None)}
+        return {"queue_depth": self.engine.queue.depth, "requests_running": self.engine.running}
+
+    def step_histograms(self) -> dict[str, dict[int, int]]:
+        """Cumulative counts by value of each of api.STEP_HISTOGRAMS."""
+        return self.engine.step_histograms()
 
     def prefix_stats(self) -> dict[str, float]:
         """The prefix cache's counters and sizes now; the keys are api.PREFIX_METRICS."""

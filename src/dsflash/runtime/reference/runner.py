@@ -10,14 +10,22 @@ from dsflash.runtime.reference.loader import LoadedModel
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, max_len: int, identity: dict | None = None, snapshot_dir=None):
+    def __init__(self, loaded: LoadedModel, max_len: int, identity: dict | None = None, snapshot_dir=None,
+                 n_seqs: int = 1):  # fmt: skip
         """identity: what its snapshot files must match (runtime/prefix/identity.py); snapshot_dir: also keep
-        snapshots on disk there."""
+        snapshots on disk there; n_seqs: sequence slots (a decode state each) for batched decode."""
         self.model, self.experts = loaded.model, loaded.experts
-        self.max_len = max_len
+        self.max_len, self.n_seqs = max_len, n_seqs
         self.vocab_size = loaded.cfg.vocab_size
-        self.state = self.model.new_state(max_len)
+        self.states = [self.model.new_state(max_len) for _ in range(n_seqs)]
+        self.state = self.states[0]
         self.shelf = Shelf(self.state, identity or {"backend": "reference"}, directory=snapshot_dir)
+
+    def select(self, seq: int) -> None:
+        self.state = self.shelf.state = self.states[seq]
+
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
+        return self.model.decode_batch(tokens, positions, [self.states[i] for i in seqs], self.experts)
 
     def reset(self) -> None:
         self.state.reset()

@@ -37,6 +37,8 @@ class Runner(Protocol):
 
 
 class Engine:
+    max_num_seqs = 1  # sequences at once (runtime/scheduler/batch.py runs more)
+
     """submit(request) -> Handle. The engine thread owns the runner; nothing else touches it."""
 
     def __init__(self, runner: Runner, eos_ids: set[int], max_queue: int = 64, prefill_chunk: int = 512, prefix=None):
@@ -64,6 +66,16 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
         self.queue.fail_all(EngineDead("the engine was shut down"))
+
+    @property
+    def running(self) -> int:
+        """Sequences being prefilled or decoded now."""
+        return int(self.current is not None)
+
+    def step_histograms(self) -> dict[str, dict[int, int]]:
+        """Decode steps by sequences advanced and steps by tokens computed (runtime/scheduler/batch.py keeps
+        them; one sequence at a time every decode step is one token)."""
+        return {"batch_size": {}, "step_tokens": {}}
 
     @property
     def alive(self) -> bool:

@@ -81,6 +81,7 @@ class RankRuntime:
         self.slot_device = device  # None: the rank's own (CpuDevice or CudaDevice)
         self.device = rank_device(spec.device, tp.rank)
         self.model = self.state = self.experts = self.graph = self.routing_log = self.shelf = None
+        self.states: list = []  # one decode state per sequence slot (spec.max_num_seqs); `state` is the selected one
         self.dense_bytes = 0
         self._ckpt = None
 
@@ -130,7 +131,9 @@ class RankRuntime:
         self._ckpt = None
         device = self.slot_device or CpuDevice(self.matmul, spec.slot_fill)
         self.routing_log = _routing_log(spec, tp, cfg)
-        self.state = self.model.new_state(self.max_len, device=self.device)  # before the slots take what is left
+        # before the slots take what is left: one state per sequence that may run at once
+        self.states = [self.model.new_state(self.max_len, device=self.device) for _ in range(spec.max_num_seqs)]
+        self.state = self.states[0]
         if spec.prefix_cache:
             self.shelf = Shelf(self.state, snapshot_identity(self.model_dir, spec), tp.rank, tp.size,
                                spec.prefix_cache_dir)  # fmt: skip
@@ -145,6 +148,9 @@ class RankRuntime:
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
         # the decode step as CUDA graphs (runtime/cuda/graph.py); not where collectives go through host copies
         graphs = self.device.type == "cuda" and spec.cuda_graph and not tp.host_staging
+        if graphs and spec.max_num_seqs > 1:  # a captured step reads one state's tensors; batches run eagerly
+            log.warning("decode runs without CUDA graphs: --max-num-seqs %d batches sequences", spec.max_num_seqs)
+            graphs = False
         short = graph_slots_short(n_slots, cfg)
         if graphs and short:
             log.warning("decode runs without CUDA graphs: %d expert slots hold fewer than the %d experts a token "
@@ -162,6 +168,17 @@ class RankRuntime:
                     "--enforce-eager runs it without graphs"
                 ) from e
             self.experts.zero_counters()  # the warm-up steps before the capture are not a request's
+
+    def select(self, seq: int) -> None:
+        """The sequence slot that reset / forward / snapshots apply to from now on."""
+        self.state = self.states[seq]
+        if self.shelf is not None:
+            self.shelf.state = self.state
+
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
+        """One batched decode step: token i continues sequence slot seqs[i] at positions[i] -> fp32 logits [B, V]
+        (every rank gets them gathered). Not recorded by --record-routing (its lines describe one sequence)."""
+        return self.model.decode_batch(tokens, positions, [self.states[i] for i in seqs], self.experts)
 
     def reset(self) -> None:
         self.state.reset()

@@ -36,8 +36,10 @@ from dsflash.store.build import build_store
 
 log = logging.getLogger(__name__)
 
-FORWARD, RESET, STOP, SNAPSHOT, RESTORE, DROP = 1, 2, 3, 4, 5, 6
-HEADER = 4  # op, start_pos, n tokens, last position's logits only; snapshot ops: op, length, key, flags
+FORWARD, RESET, STOP, SNAPSHOT, RESTORE, DROP, SELECT, DECODE = 1, 2, 3, 4, 5, 6, 7, 8
+# op, start_pos, n tokens, last position's logits only; snapshot ops: op, length, key, flags; SELECT: op, sequence
+# slot; DECODE: op, 0, B (then a [3, B] tensor: tokens, positions, sequence slots)
+HEADER = 4
 KEEP, WRITE, FROM_DISK, MEMORY, DISK = 1, 2, 4, 8, 16  # the snapshot ops' flags
 # a collective stuck this long means a peer hangs (a dead peer fails at once: its sockets close)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
@@ -144,6 +146,13 @@ def follow(rt: RankRuntime) -> None:
             tokens = torch.empty(1, n, dtype=torch.int64)
             dist.broadcast(tokens, src=0)
             rt.forward(tokens, start_pos, bool(last_only))
+        elif op == SELECT:
+            rt.select(start_pos)
+        elif op == DECODE:
+            batch = torch.empty(3, n, dtype=torch.int64)
+            dist.broadcast(batch, src=0)
+            tokens, positions, seqs = (row.tolist() for row in batch)
+            rt.decode(tokens, positions, seqs)
         elif op == SNAPSHOT:
             _snapshot(rt.shelf, n, last_only)
         elif op == RESTORE:
@@ -186,6 +195,7 @@ class TPRunner:
         check_tp(cfg, spec.tp)
         self.spec, self.world = spec, spec.tp
         self.max_len, self.vocab_size = max_len, cfg.vocab_size
+        self.n_seqs = spec.max_num_seqs  # sequence slots: select() / decode() address them
         self.procs: list[mp.process.BaseProcess] = []
         self._pipes: list = []
         self.closed = False
@@ -304,6 +314,26 @@ class TPRunner:
                 raise self._dead(e) from None
             raise
         return logits
+
+    def select(self, seq: int) -> None:
+        """The sequence slot every rank's reset / forward / snapshot / restore apply to from now on."""
+        if not 0 <= seq < self.n_seqs:
+            raise ValueError(f"sequence slot {seq} outside 0..{self.n_seqs - 1}")
+        self._step(SELECT, seq)
+        self.rank0.select(seq)
+
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
+        """One decode token for each of several sequence slots, on every rank -> fp32 logits [B, V]."""
+        batch = torch.tensor([tokens, positions, seqs], dtype=torch.int64)
+        self._step(DECODE, 0, len(tokens))
+        try:
+            if self.world > 1:
+                dist.broadcast(batch, src=0)
+            return self.rank0.decode(tokens, positions, seqs).cpu()
+        except RuntimeError as e:
+            if self.world > 1 and any(not p.is_alive() for p in self.procs):
+                raise self._dead(e) from None
+            raise
 
     # ---- prefix snapshots (runtime/prefix/cache.SnapshotRunner) ----
     @property

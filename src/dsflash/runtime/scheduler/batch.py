@@ -1,0 +1,301 @@
+"""BatchEngine: continuous batching over a runner with several sequence slots (EngineSpec.max_num_seqs > 1).
+
+Every engine step advances each decoding sequence by one token in one batched decode call (runner.decode), and
+between two such steps the oldest admitted prompt gets one prefill pass, of at most the step's token budget minus
+the decoding sequences (vLLM's max_num_batched_tokens): running streams keep streaming while a long prompt is
+admitted. A request leaves the FIFO queue when a slot frees. Everything about a request is its own: its sampler
+(seed), stop rules, logprobs and max_tokens; a cancelled sequence leaves at the next step; a sequence whose sampling
+fails fails alone. A batched step that fails takes only the sequences in it (their states may be half-written),
+unless the runner is gone (EngineDead), which ends the engine as before.
+
+With a prefix cache, a sequence is restored into its slot on admission and snapshotted at the same points as in
+the one-at-a-time engine (runtime/scheduler/engine.py); snapshots address the selected slot (runner.select)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dsflash.errors import EngineDead
+from dsflash.runtime.scheduler.engine import Engine, _prompt_logprobs
+from dsflash.runtime.scheduler.queue import Handle, StepStats, TokenEvent
+from dsflash.runtime.scheduler.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Seq:
+    """One running request: its slot (decode state on every rank) and where it stands."""
+
+    handle: Handle
+    slot: int
+    sampler: Sampler
+    experts_start: object
+    t0: float
+    pos: int = 0  # tokens its state holds
+    cached: int = 0  # of them restored from a snapshot
+    lps: list | None = None  # prompt logprobs so far (asked for)
+    last: torch.Tensor | None = None  # logits [V] the next token is sampled from
+    token: int | None = None  # the sampled token the next decode step feeds
+    index: int = 0  # tokens generated
+    fed: list[int] = field(default_factory=list)
+    stats: StepStats | None = None
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.handle.request.prompt
+
+    @property
+    def prefilling(self) -> bool:
+        return self.last is None and self.token is None
+
+
+class StepLog:
+    """What the engine's steps did, for /metrics, as cumulative counts (bounded, read from any thread): decode
+    steps by how many sequences they advanced, engine steps by how many tokens they computed."""
+
+    def __init__(self):
+        self.batch_sizes: dict[int, int] = {}
+        self.step_tokens: dict[int, int] = {}
+
+    def add(self, batch: int, tokens: int) -> None:
+        if batch:
+            self.batch_sizes[batch] = self.batch_sizes.get(batch, 0) + 1
+        if tokens:
+            self.step_tokens[tokens] = self.step_tokens.get(tokens, 0) + 1
+
+    def histograms(self) -> dict[str, dict[int, int]]:
+        return {"batch_size": dict(self.batch_sizes), "step_tokens": dict(self.step_tokens)}
+
+
+class BatchEngine(Engine):
+    """Engine with up to runner.n_seqs sequences at once; submit / admit / close as Engine."""
+
+    def __init__(self, runner, eos_ids, max_queue: int = 64, prefill_chunk: int = 512, prefix=None,
+                 max_num_batched_tokens: int | None = None):  # fmt: skip
+        super().__init__(runner, eos_ids, max_queue, prefill_chunk, prefix)
+        self.max_num_seqs = runner.n_seqs
+        self.budget = max_num_batched_tokens or prefill_chunk + self.max_num_seqs
+        if self.budget <= self.max_num_seqs:
+            raise ValueError(f"a step's {self.budget} tokens leave no room for prefill beside {self.max_num_seqs}")
+        self.seqs: list[Seq] = []  # admission order: the oldest prompt is prefilled first
+        self.steps = StepLog()
+        self._selected: int | None = None
+
+    @property
+    def running(self) -> int:
+        return len(self.seqs)
+
+    def step_histograms(self) -> dict[str, dict[int, int]]:
+        return self.steps.histograms()
+
+    def close(self, cancel_running: bool = True) -> None:
+        if cancel_running:
+            for s in list(self.seqs):
+                s.handle.cancel()
+        super().close(cancel_running)
+
+    # ---- the engine thread ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._admit()
+                if not self.seqs:
+                    continue
+                self._reap_cancelled()
+                prefilled = self._prefill_pass()
+                decoded = self._decode_step()
+                self.steps.add(decoded, decoded + prefilled)
+            for seq in list(self.seqs):  # shut down (close() cancelled them): each consumer gets its ending
+                self._finish(seq.handle, TokenEvent(None, seq.index, finish_reason="cancelled"))
+                self._leave(seq)
+        except BaseException as e:  # the thread itself is going down: fail everyone, never hang them
+            log.error("engine thread stopped: %s", e)
+            dead = e if isinstance(e, EngineDead) else EngineDead(f"the engine failed: {e}")
+            self.queue.fail_all(dead)
+            for s in self.seqs:
+                s.handle.close(dead)
+            self.seqs = []
+
+    def _admit(self) -> None:
+        """Take waiting requests into free slots (FIFO); block briefly only when nothing runs."""
+        while len(self.seqs) < self.max_num_seqs:
+            handle = self.queue.take(timeout=0 if self.seqs else 0.5)
+            if handle is None:
+                return
+            self.counters["requests"] += 1
+            if handle.cancelled:
+                self._finish(handle, TokenEvent(None, 0, finish_reason="cancelled"))
+                continue
+            handle.started.set()
+            used = {s.slot for s in self.seqs}
+            slot = min(set(range(self.max_num_seqs)) - used)
+            seq = Seq(handle, slot, Sampler(handle.request.params), self.runner.counters(), time.perf_counter())
+            self.seqs.append(seq)
+            self._guard(seq, self._begin, seq)
+
+    def _begin(self, seq: Seq) -> None:
+        """The slot's state set to the deepest cached prefix of the prompt (prompt logprobs: none), else reset."""
+        self._select(seq.slot)
+        asked = seq.handle.request.params.prompt_logprobs
+        seq.pos = seq.cached = self._restore(seq.handle.request) if asked is None else 0
+        if not seq.pos:
+            self.runner.reset()
+        seq.lps = [None] if asked is not None else None
+
+    def _select(self, slot: int) -> None:
+        if self._selected != slot:
+            self.runner.select(slot)
+            self._selected = slot
+
+    def _guard(self, seq: Seq, fn, *args) -> None:
+        """fn(*args) for one sequence: its failure fails that sequence alone (EngineDead ends the engine)."""
+        try:
+            fn(*args)
+        except EngineDead:
+            raise
+        except Exception as e:
+            self._fail(seq, e)
+
+    def _fail(self, seq: Seq, e: Exception) -> None:
+        log.exception("request %s failed", seq.handle.request.request_id, exc_info=e)
+        self.counters["failed"] += 1
+        seq.handle.close(e)
+        self._leave(seq)
+
+    def _leave(self, seq: Seq) -> None:
+        if seq in self.seqs:
+            self.seqs.remove(seq)
+
+    def _reap_cancelled(self) -> None:
+        for seq in [s for s in self.seqs if s.handle.cancelled]:
+            self._guard(seq, self._cancel, seq)
+
+    def _cancel(self, seq: Seq) -> None:
+        self._finish(seq.handle, TokenEvent(None, seq.index, finish_reason="cancelled"))
+        self._end(seq)
+
+    def _end(self, seq: Seq) -> None:
+        """The sequence leaves its slot; its state (prompt + the tokens fed) is snapshotted first."""
+        self._leave(seq)
+        if seq.fed:
+            self._select(seq.slot)
+            self._save(seq.handle.request, seq.prompt + tuple(seq.fed))
+
+    # ---- prefill ----
+    def _prefill_pass(self) -> int:
+        """Prefill passes for the sequences still prefilling, oldest first, within the step's budget -> tokens.
+        The oldest always gets one (cut to the budget); a later one only where its whole pass fits."""
+        room = self.budget - sum(1 for s in self.seqs if s.token is not None)
+        done = 0
+        for seq in [s for s in self.seqs if s.prefilling]:
+            n = self._pass_end(seq, room) - seq.pos
+            if done and n < self._pass_end(seq, len(seq.prompt)) - seq.pos:
+                break
+            pos = seq.pos
+            self._guard(seq, self._prefill_chunk, seq, room)
+            room -= seq.pos - pos
+            done += seq.pos - pos
+            if room <= 0:
+                break
+        return done
+
+    def _pass_end(self, seq: Seq, room: int) -> int:
+        # passes end where the one-at-a-time engine's do (chunk multiples, cache blocks): the same products
+        pos = seq.pos
+        end = min(len(seq.prompt), (pos // self.prefill_chunk + 1) * self.prefill_chunk, pos + room)
+        if self.prefix is not None:
+            end = min(end, (pos // self.prefix.block + 1) * self.prefix.block)
+        return end
+
+    def _prefill_chunk(self, seq: Seq, room: int) -> None:
+        prompt, req = list(seq.prompt), seq.handle.request
+        asked = req.params.prompt_logprobs
+        pos, end = seq.pos, self._pass_end(seq, room)
+        self._select(seq.slot)
+        logits = self.runner.forward(prompt[pos:end], pos, asked is not None)
+        seq.pos = end
+        if seq.lps is not None:
+            seq.lps += _prompt_logprobs(logits, prompt, pos, asked)
+        if end < len(prompt):
+            if self.prefix is not None and end % self.prefix.block == 0:
+                self._save(req, prompt[:end])
+            return
+        self.counters["prompt_tokens"] += len(prompt)
+        self.counters["cached_tokens"] += seq.cached
+        if seq.lps is not None:
+            seq.lps = seq.lps[: len(prompt)]
+        seq.last = logits[-1]
+        seq.stats = StepStats(seq.experts_start, self.runner.counters(), ttft_s=time.perf_counter() - seq.t0,
+                              cached_tokens=seq.cached)  # fmt: skip
+        if req.params.max_tokens == 0:  # only the prompt was scored (echo + logprobs)
+            event = TokenEvent(None, 0, finish_reason="length", prompt_logprobs=seq.lps, stats=seq.stats)
+            self._finish(seq.handle, event)
+            self._leave(seq)
+            self._save(req, prompt)
+            return
+        self._emit(seq)
+
+    # ---- decode ----
+    def _decode_step(self) -> int:
+        """Every sequence with a token to feed advances by one, in one batched call -> how many."""
+        batch = [s for s in self.seqs if s.token is not None]
+        if not batch:
+            return 0
+        t = time.perf_counter()
+        try:
+            if len(batch) == 1:  # the one-sequence step, as the one-at-a-time engine takes it
+                self._select(batch[0].slot)
+                logits = self.runner.forward([batch[0].token], batch[0].pos, False)[-1:]
+            else:
+                logits = self.runner.decode([s.token for s in batch], [s.pos for s in batch], [s.slot for s in batch])
+        except EngineDead:
+            raise
+        except Exception as e:  # the step's states may be half-written: its sequences end, the others go on
+            for s in batch:
+                self._fail(s, e)
+            return 0
+        dt = time.perf_counter() - t
+        counters = self.runner.counters()
+        for i, s in enumerate(batch):
+            s.fed.append(s.token)
+            s.pos += 1
+            s.token, s.last = None, logits[i]
+            s.stats = StepStats(s.experts_start, counters, step_s=dt)
+            self._guard(s, self._emit, s)
+        return len(batch)
+
+    def _emit(self, seq: Seq) -> None:
+        """Sample the sequence's next token from its last logits and send it; it finishes or waits to be fed."""
+        req, params = seq.handle.request, seq.handle.request.params
+        s, index = seq.sampler(seq.last), seq.index
+        seq.last = None
+        stop = (s.token in self.eos_ids and not params.ignore_eos) or s.token in params.stop_token_ids
+        done = "stop" if stop else ("length" if index + 1 == params.max_tokens else None)
+        event = TokenEvent(s.token, index, s.logprob, s.top, done, stop_token=stop, stats=seq.stats)
+        if index == 0:
+            event.prompt_logprobs = seq.lps
+        self.counters["tokens"] += 1
+        seq.index += 1
+        if done:
+            self._finish(seq.handle, event)
+            if index == 0:
+                self._leave(seq)
+                self._select(seq.slot)
+                self._save(req, req.prompt)
+            else:
+                self._end(seq)
+            return
+        seq.handle.put(event)
+        if index == 0:  # after the first token went out: TTFT does not wait for the copy
+            self._select(seq.slot)
+            self._save(req, req.prompt)
+        if seq.handle.cancelled:
+            self._finish(seq.handle, TokenEvent(None, index + 1, finish_reason="cancelled"))
+            self._end(seq)
+            return
+        seq.token = s.token

@@ -1,0 +1,204 @@
+"""Continuous batching is exact: each sequence of a batch (mixed prompt lengths, per-request sampling, stop ids and
+max_tokens) gives the tokens it gives alone, its logits within 1e-4 of the solo run's at every position, on the
+engine at TP 1 and TP 2 (real ranks); a sequence cancelled mid-stream or failing leaves the others unchanged, and
+the prefix cache restores into a sequence's own slot.
+
+"Alone" is the one-at-a-time Engine (the --max-num-seqs 1 path) over the same runner. Few tokens: a tiny model's
+decode step costs tens of ms of Python on two shared cores."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+
+from dsflash.runtime.prefix.cache import prefix_cache
+from dsflash.runtime.scheduler.batch import BatchEngine
+from dsflash.runtime.scheduler.engine import Engine
+from dsflash.runtime.scheduler.queue import GenerationRequest
+from dsflash.runtime.scheduler.sampler import SamplingParams
+from dsflash.runtime.spec import EngineSpec
+from dsflash.runtime.tp.launch import start_engine
+from dsflash.service.files import open_dir
+from tests.model.conftest import ROOT
+
+CHUNK = 32  # prefill passes: the 40- and 60-token prompts take two
+EOS = {1}
+
+
+class Recording:
+    """A runner that keeps the logits of every decode position by (sequence slot, position)."""
+
+    def __init__(self, inner):
+        self.inner, self.rows, self.slot = inner, {}, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def select(self, seq):
+        self.slot = seq
+        self.inner.select(seq)
+
+    def forward(self, tokens, start_pos, all_logits):
+        out = self.inner.forward(tokens, start_pos, all_logits)
+        self.rows[(self.slot, start_pos + len(tokens) - 1)] = out[-1].clone()
+        return out
+
+    def decode(self, tokens, positions, seqs):
+        out = self.inner.decode(tokens, positions, seqs)
+        for i, (pos, seq) in enumerate(zip(positions, seqs, strict=True)):
+            self.rows[(seq, pos)] = out[i].clone()
+        return out
+
+
+class Failing(BatchEngine):
+    """Sampling of the request named "boom" fails at its third token (what a failing sequence looks like)."""
+
+    def _emit(self, seq):
+        if seq.handle.request.request_id == "boom" and seq.index == 2:
+            raise RuntimeError("boom")
+        super()._emit(seq)
+
+
+@pytest.fixture(scope="module")
+def files():
+    return open_dir(ROOT / "tiny_a" / "model")
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def _prompt(i: int, n: int) -> tuple[int, ...]:
+    return tuple((17 * i + 5 * k) % 900 + 3 for k in range(n))
+
+
+def _solo(rec: Recording, requests, prefix=None):
+    """Each request alone through the one-at-a-time engine -> [(events, rows by position)]."""
+    engine = Engine(rec, EOS, prefill_chunk=CHUNK, prefix=prefix).start()
+    out = []
+    try:
+        for req in requests:
+            rec.rows = {}
+            events = list(engine.submit(req))
+            out.append((events, {pos: row for (_, pos), row in rec.rows.items()}))
+    finally:
+        engine.close()
+    return out
+
+
+def _batch(rec: Recording, requests, engine_cls=BatchEngine, prefix=None, cancel: int | None = None):
+    """All requests queued before the engine starts (request i takes slot i) -> (events or the error of each, the
+    batch sizes of the decode steps)."""
+    rec.rows = {}
+    engine = engine_cls(rec, EOS, prefill_chunk=CHUNK, prefix=prefix)
+    handles = [engine.queue.submit(r) for r in requests]
+    out: list = [None] * len(handles)
+
+    def consume(i):
+        got = []
+        try:
+            for e in handles[i]:
+                got.append(e)
+                if i == cancel and len(got) == 3:
+                    handles[i].cancel()
+            out[i] = got
+        except Exception as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(handles))]
+    for t in threads:
+        t.start()
+    engine.start()
+    for t in threads:
+        t.join()
+    engine.close()
+    return out, engine.steps.batch_sizes
+
+
+def _tokens(events):
+    return [e.token for e in events if e.token is not None]
+
+
+def _assert_rows_match(rec_rows, slot, solo_rows):
+    rows = {pos: row for (s, pos), row in rec_rows.items() if s == slot}
+    assert rows
+    for pos, row in rows.items():
+        diff = float((row - solo_rows[pos]).abs().max())
+        assert diff <= 1e-4, (slot, pos, diff)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_batched_sequences_equal_their_solo_runs(files, tmp_path_factory, tp):
+    lengths = [3, 40, 17, 9, 60, 25, 5, 33] if tp == 1 else [3, 40, 9]
+    gen = 6 if tp == 1 else 4  # (TP 2's steps cost three times TP 1's on two cores)
+    spec = EngineSpec(tp=tp, cache_dir=str(tmp_path_factory.mktemp("stores")), max_num_seqs=len(lengths))
+    runner = start_engine(files.ckpt, files.token_map, 256, spec)
+    try:
+        rec = Recording(runner)
+        requests = [GenerationRequest(_prompt(i, n), _greedy(gen + i % 3)) for i, n in enumerate(lengths)]
+        # per-request sampling: a seeded sampled sequence and one with its own stop id
+        requests[1] = GenerationRequest(requests[1].prompt, SamplingParams(temperature=0.9, seed=5, max_tokens=gen))
+        solo = _solo(rec, requests)
+        want = [(_tokens(events), [e.finish_reason for e in events]) for events, _ in solo]
+        # one sequence with a stop id of its own: alone it ends at that id's first occurrence
+        stop_at = want[2][0][gen - 2]
+        requests[2] = GenerationRequest(requests[2].prompt, _greedy(gen + 2, stop_token_ids=(stop_at,)))
+        end = want[2][0].index(stop_at) + 1
+        want[2] = (want[2][0][:end], [None] * (end - 1) + ["stop"])
+        got, sizes = _batch(rec, requests)
+        assert max(sizes) >= len(lengths) - 1, sizes  # all of them but the one stopping early decoded together
+        for i, ((tokens, reasons), events, (_, rows)) in enumerate(zip(want, got, solo, strict=True)):
+            assert (_tokens(events), [e.finish_reason for e in events]) == (tokens, reasons), i
+            if i != 1:  # a sampled sequence's rows follow its own tokens: compared through them
+                _assert_rows_match(rec.rows, i, rows)
+        if tp == 1:
+            _cancel_and_fail(rec, requests, want)
+            _close_while_decoding(rec, requests[0])
+            _prefix_restores_into_each_slot(rec, runner, spec, requests, solo)
+    finally:
+        runner.close()
+
+
+def _cancel_and_fail(rec, requests, want):
+    """One sequence cancelled after its third token and one whose sampling fails: the others are unchanged."""
+    requests = list(requests)
+    requests[4] = replace(requests[4], request_id="boom")
+    got, _ = _batch(rec, requests, engine_cls=Failing, cancel=0)
+    assert got[0][-1].finish_reason == "cancelled"
+    assert _tokens(got[0]) == want[0][0][: len(_tokens(got[0]))] and len(_tokens(got[0])) >= 3
+    assert isinstance(got[4], RuntimeError)
+    for i in (1, 2, 3, 5, 6, 7):
+        assert _tokens(got[i]) == want[i][0], i
+
+
+def _close_while_decoding(rec, request):
+    """Shutting the engine down ends a running sequence's stream with "cancelled" (its consumer never hangs)."""
+    engine = BatchEngine(rec, EOS, prefill_chunk=CHUNK).start()
+    handle = engine.submit(replace(request, params=_greedy(200)))
+    events = iter(handle)
+    next(events)
+    engine.close()
+    assert [e.finish_reason for e in events][-1] == "cancelled"
+
+
+def _prefix_restores_into_each_slot(rec, runner, spec, requests, solo):
+    """The next turn of three of the conversations, batched with a prefix cache: each restores its own state, as
+    the one-at-a-time engine with its own cache does (a state built by decode steps is not bit for bit the plain
+    prefill's, so reuse is compared with reuse)."""
+    picked = [3, 6]
+    turns = [
+        GenerationRequest(requests[i].prompt + tuple(_tokens(solo[i][0])) + _prompt(i + 50, 6), _greedy(4))
+        for i in picked
+    ]
+    alone = prefix_cache(rec, replace(spec, prefix_cache_gb=1.0))
+    want = [_solo(rec, [requests[i], turn], prefix=alone)[1] for i, turn in zip(picked, turns, strict=True)]
+    cache = prefix_cache(rec, replace(spec, prefix_cache_gb=1.0))
+    for i in picked:  # the first turns, each alone in the batch engine
+        _batch(rec, [requests[i]], prefix=cache)
+    got, _ = _batch(rec, turns, prefix=cache)
+    for k, events in enumerate(got):
+        assert events[0].stats.cached_tokens == want[k][0][0].stats.cached_tokens > 0, k
+        assert _tokens(events) == _tokens(want[k][0]), k
+        _assert_rows_match(rec.rows, k, want[k][1])
