@@ -28,8 +28,12 @@ lint: install
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 
+# two workers, one thread each: most tests are single-threaded Python over tiny models, and a second torch thread per
+# process only contended with the servers and TP ranks the tests start (tests that need threads set their own)
+TEST_WORKERS ?= 2
+
 test: install lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

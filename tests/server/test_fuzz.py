@@ -16,7 +16,7 @@ import pytest
 
 from tests.server.conftest import start_server
 
-BUDGET_S = 20
+BUDGET_S = 12
 
 
 @pytest.fixture(scope="module")

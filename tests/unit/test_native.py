@@ -18,6 +18,16 @@ AVX512 = "avx512f" in CPUINFO
 HAS_AVX2 = all(f in CPUINFO.split() for f in ("avx2", "fma", "f16c"))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def two_threads():
+    """The kernels' OpenMP loops split rows over torch's threads: check them split (`make test` runs one thread a
+    worker)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(params=["native", "avx2", "generic", "none"])
 def kernels(request, monkeypatch):
     if request.param == "native":

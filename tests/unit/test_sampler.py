@@ -96,7 +96,7 @@ def _filtered(x: torch.Tensor, temperature=1.0, top_k=0, min_p=0.0, top_p=1.0) -
 
 def test_sampled_frequencies_follow_the_filtered_distribution():
     """Each filter alone and together, on a vocabulary large enough for the sampler's block draw and for a nucleus
-    beyond its first candidates (10k tokens near the top): the frequencies of 2000 draws match the plain
+    beyond its first candidates (10k tokens near the top): the frequencies of 1500 draws match the plain
     computation (total variation, bounded well above the noise), and nothing outside the support is ever drawn."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(32768, generator=g) * 0.5
@@ -106,13 +106,13 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
                {"temperature": 0.7, "top_k": 3000, "min_p": 0.001, "top_p": 0.9}):  # fmt: skip
         want = _filtered(x, **kw)
         s = Sampler(SamplingParams(seed=11, **kw))
-        draws = np.array([s(x).token for _ in range(2000)])
+        draws = np.array([s(x).token for _ in range(1500)])
         assert want[draws].min() > 0, kw
         # compare on the 8 heavy tokens and the mass of the rest
         got = np.bincount(draws, minlength=x.numel()) / draws.size
         heavy = np.arange(10000, 10008)
         tv = np.abs(got[heavy] - want[heavy]).sum() + abs(got.sum() - got[heavy].sum() - (1 - want[heavy].sum()))
-        assert tv < 0.08, (kw, tv)
+        assert tv < 0.09, (kw, tv)
 
 
 def test_a_seed_reproduces_its_draws():
