@@ -459,3 +459,25 @@ def _v4_spec(cfg: ModelConfig, i: int, ratio: int, dspark: bool, n_exp: int, n_a
         hash_routed=not dspark and i < cfg.num_hash_layers,
         v4_overlap=own and ratio == 4,
     )
+
+
+def v41_checkpoint_config(text: dict, bos: int, eos: int, block: int = 128) -> dict:
+    """An official DeepSeek-V4.1 config.json around its text_config: the architecture, the special ids and the FP8
+    (E8M0-scaled blocks of `block` x `block`) / FP4-expert quantization the release declares. For the models dsflash
+    writes itself (the embedded and the demo model)."""
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "dtype": "bfloat16",
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": 2,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [block, block],
+            "expert_dtype": "fp4",
+        },
+        "text_config": text,
+    }

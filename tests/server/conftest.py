@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 API_KEY = "test-key-0123456789"
@@ -169,3 +170,14 @@ def open_server(tmp_path_factory, model_cache):
         yield srv, routing
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official client on the shared server, validating every response against its own models."""
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, _strict_response_validation=True)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

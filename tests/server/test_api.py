@@ -17,16 +17,6 @@ THINK_OFF = {"chat_template_kwargs": {"thinking": False}}
 Q = [{"role": "user", "content": "Say something."}]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, _strict_response_validation=True)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def raw(server, path, body, **kw):
     return httpx.post(server.base + path, json=body, headers=server.headers, timeout=60, **kw)
 

@@ -11,8 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY
-
 THINK_OFF = {"chat_template_kwargs": {"thinking": False}}
 Q = [{"role": "user", "content": "Describe a person."}]
 PERSON = {
@@ -33,16 +31,6 @@ WEATHER = {
 }
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
 RESP_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER}
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, _strict_response_validation=True)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_json_schema_streamed_and_not(client, model):

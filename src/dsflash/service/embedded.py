@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dsflash.config import v41_checkpoint_config
 from dsflash.text.token_map import compressed_token_map
 from dsflash.text.tokenizer import V41, Tokenizer
 
@@ -100,22 +101,7 @@ def embedded_config(vocab_size: int, compressed_vocab: int, bos: int = 0, eos: i
         "tie_word_embeddings": False,
         "use_cache": True,
     }
-    return {
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "model_type": "deepseek_v41",
-        "dtype": "bfloat16",
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": 2,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [32, 32],
-            "expert_dtype": "fp4",
-        },
-        "text_config": text,
-    }
+    return v41_checkpoint_config(text, bos, eos, block=32)
 
 
 @dataclass(frozen=True)

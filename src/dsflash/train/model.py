@@ -18,7 +18,7 @@ from torch import nn
 
 from dsflash.checkpoint.names import expected_inventory
 from dsflash.checkpoint.writer import quant_fp4, quant_rows, tensor_values
-from dsflash.config import ModelConfig
+from dsflash.config import ModelConfig, v41_checkpoint_config
 from dsflash.formats import fp4, fp8
 from dsflash.model import attention, dspark
 from dsflash.model.experts import ResidentExperts
@@ -99,22 +99,7 @@ def demo_config(vocab_size: int, compressed_vocab: int, noise_id: int, bos: int 
         "tie_word_embeddings": False,
         "use_cache": True,
     }
-    return {
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "model_type": "deepseek_v41",
-        "dtype": "bfloat16",
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "pad_token_id": 2,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [32, 32],
-            "expert_dtype": "fp4",
-        },
-        "text_config": text,
-    }
+    return v41_checkpoint_config(text, bos, eos, block=32)
 
 
 def _ste(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
