@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from dsflash.runtime.scheduler.sampler import Sampler, SamplingParams
@@ -120,3 +121,9 @@ def test_a_seed_reproduces_its_draws():
     one = Sampler(SamplingParams(seed=7, top_p=0.9))
     two = Sampler(SamplingParams(seed=7, top_p=0.9))
     assert [one(x).token for _ in range(50)] == [two(x).token for _ in range(50)]
+
+
+def test_nan_or_fully_masked_logits_fail_the_draw():
+    for bad in (torch.full((100,), float("nan")), torch.full((100,), -float("inf"))):
+        with pytest.raises(ValueError, match="no token can be drawn"):
+            Sampler(SamplingParams(temperature=0.8, seed=1))(bad)

@@ -108,7 +108,10 @@ class Sampler:
         over the whole vocabulary cost more than a small model's decode step (docs/performance.md)."""
         p = self.params
         x = logits.contiguous().numpy() / np.float32(p.temperature)
-        e = np.exp(x - x.max())  # unnormalised: the largest is 1, what is masked is 0
+        top = x.max()
+        if not np.isfinite(top):  # NaN logits, or every token masked: a failed request, never an arbitrary token
+            raise ValueError(f"no token can be drawn: the largest logit is {top}")
+        e = np.exp(x - top)  # unnormalised: the largest is 1, what is masked is 0
         if p.top_k == 0 and p.min_p == 0 and p.top_p == 1:
             return _pick(e, self.rng.random())
         ids = np.flatnonzero(e)  # the filters select among the possible tokens only (partitions slow on ties)
