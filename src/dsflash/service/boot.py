@@ -280,14 +280,13 @@ def _warm(ctx: _Ctx) -> str:
     runner.forward([int(last[-1].argmax())], len(warm), False)
     runner.reset()
     step = time.perf_counter() - t0
-    chunk = ctx.opts.engine.prefill_chunk
-    prefix = prefix_cache(runner, ctx.opts.engine)
     spec = ctx.opts.engine
+    prefix = prefix_cache(runner, spec)
+    common = dict(max_queue=ctx.opts.max_queue, prefill_chunk=spec.prefill_chunk, prefix=prefix)
     if getattr(runner, "n_seqs", 1) > 1:
-        ctx.engine = BatchEngine(runner, tok.eos_ids, max_queue=ctx.opts.max_queue, prefill_chunk=chunk, prefix=prefix,
-                                 max_num_batched_tokens=spec.batched_tokens)  # fmt: skip
+        ctx.engine = BatchEngine(runner, tok.eos_ids, max_num_batched_tokens=spec.batched_tokens, **common)
     else:
-        ctx.engine = Engine(runner, tok.eos_ids, max_queue=ctx.opts.max_queue, prefill_chunk=chunk, prefix=prefix)
+        ctx.engine = Engine(runner, tok.eos_ids, **common)
     ctx.engine.start()
     return f"prefill + one decode step in {step * 1000:.0f} ms; engine thread started; {_prefix_line(prefix)}"
 
