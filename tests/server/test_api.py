@@ -148,6 +148,10 @@ def test_stop_strings_and_stop_token_ids(server, client, model):
     assert cut.finish_reason == "stop" and cut.message.content == text[: text.index(stop)]
     stream = client.chat.completions.create(**kw, stop=stop, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text[: text.index(stop)]
+    # n = 2 on this one-sequence server: the choices run one after another, each ending at its own stop
+    both = client.chat.completions.create(**kw, stop=stop, n=2).choices
+    assert [(c.index, c.message.content, c.finish_reason) for c in both] == [(i, cut.message.content, "stop") for i
+                                                                             in range(2)]  # fmt: skip
     # a stop token id: the 4th token's id, found through /tokenize
     ids = raw(server, "/tokenize", {"prompt": tokens[3], "add_special_tokens": False}).json()["tokens"]
     if len(ids) == 1:
@@ -202,7 +206,7 @@ def test_completions_stream_echo_logprobs(server, client, model):
 @pytest.mark.parametrize(
     "extra,status",
     [
-        ({"n": 2}, 400),
+        ({"n": 17}, 400),
         ({"temperature": "hot"}, 400),
         ({"temperature": 2.5}, 400),
         ({"top_p": 0}, 400),

@@ -8,7 +8,7 @@ import pytest
 from dsflash.errors import InvalidRequest, ModelSourceError
 from dsflash.server import protocol, render, responses
 from dsflash.server.protocol import ServedModel
-from dsflash.service.api import Delta, PromptLogprob, TokenLogprob, TopLogprob, Usage
+from dsflash.service.api import MAX_CHOICES, Delta, PromptLogprob, TokenLogprob, TopLogprob, Usage
 
 SERVED = ServedModel("m", ("alias",), max_len=1024, vocab_size=1000)
 Q = [{"role": "user", "content": "hi"}]
@@ -84,7 +84,11 @@ def test_thinking_switches_and_chat_template_kwargs_are_closed():
 def test_unknown_fields_are_kept_for_the_log_and_known_unsupported_ones_refused():
     raw = {"messages": Q, "not_a_field": 1, "b": 2}
     assert protocol.unknown_fields(protocol.validate(protocol.ChatCompletionRequest, raw)) == ["b", "not_a_field"]
-    assert rejected(chat, n=2).param == "n"
+    assert rejected(chat, n=MAX_CHOICES + 1).param == "n"
+    assert str(MAX_CHOICES) in str(rejected(chat, n=MAX_CHOICES + 1))
+    assert (chat(n=3).options.n, completion(prompt="x", n=2, best_of=4).options.best_of) == (3, 4)
+    assert rejected(completion, prompt="x", n=3, best_of=2).param == "best_of"
+    assert rejected(completion, prompt="x", best_of=2, stream=True).param == "best_of"
     assert rejected(chat, tool_choice="required").param == "tool_choice"  # no tools to force
     fn = {"type": "function", "function": {"name": "f"}}
     assert (
@@ -139,3 +143,30 @@ def test_renderings_match_the_documented_response_models_and_carry_cached_tokens
     assert chunks[0]["choices"][0]["prompt_logprobs"] is not None
     assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:] if c["choices"])
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 4
+
+
+def _choice(index: int, text: str, tokens: int, logprob: float) -> list[Delta]:
+    return [
+        Delta("start", index=index),
+        Delta("content", text, index=index),
+        Delta("content", finish_reason="length", usage=Usage(5, tokens), index=index, cumulative_logprob=logprob),
+    ]
+
+
+def test_several_choices_carry_their_index_and_usage_counts_the_prompt_once():
+    a, b, c = _choice(0, "a", 2, -3.0), _choice(1, "b", 3, -1.0), _choice(2, "c", 4, -2.0)
+    mixed = [a[0], b[0], b[1], a[1], c[0], c[1], b[2], c[2], a[2]]  # as the sequences' tokens come
+    meta = render.Meta("m", "chat", include_usage=True, n=3)
+    chunks = list(render.stream_chat(iter(mixed), meta))
+    text = {i: "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"] and
+                       ch["choices"][0]["index"] == i) for i in range(3)}  # fmt: skip
+    assert text == {0: "a", 1: "b", 2: "c"}
+    assert [ch["choices"][0]["delta"].get("role") for ch in chunks if ch["choices"]].count("assistant") == 3
+    assert chunks[-1]["usage"]["prompt_tokens"] == 5 and chunks[-1]["usage"]["completion_tokens"] == 9
+    body = render.full_chat(iter(mixed), meta)
+    responses.ChatCompletionResponse.model_validate(body)
+    assert [(ch["index"], ch["message"]["content"]) for ch in body["choices"]] == [(0, "a"), (1, "b"), (2, "c")]
+    # best_of 3, n 2: the two of highest cumulative logprob, best first, re-indexed; usage counts what returns
+    body = render.full_completion(iter(mixed), render.Meta("m", "completion", n=2))
+    assert [(ch["index"], ch["text"]) for ch in body["choices"]] == [(0, "b"), (1, "c")]
+    assert body["usage"]["completion_tokens"] == 7 and body["usage"]["prompt_tokens"] == 5

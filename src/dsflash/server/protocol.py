@@ -2,7 +2,7 @@
 service's frozen requests: the only place that reads request fields and applies defaults.
 
 Policy: wrong types and out-of-range values are a 400 naming the parameter (prompt + max_tokens against the context
-is the service's check, after templating); parameters we know but cannot honour (n > 1, penalties, logit_bias,
+is the service's check, after templating); parameters we know but cannot honour (penalties, logit_bias,
 deprecated functions) are a 400 rather than silently ignored; fields we do not know are accepted
 and reported back for the request log line (`extra="allow"`: they land in `model_extra`).
 
@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from dsflash.errors import InvalidRequest, ModelSourceError
-from dsflash.service.api import MAX_LOGPROBS, ChatRequest, CompletionRequest, GenerationOptions, JsonFormat
+from dsflash.service.api import MAX_CHOICES, MAX_LOGPROBS, ChatRequest, CompletionRequest, GenerationOptions, JsonFormat
 from dsflash.text.chat import ChatOptions, chat_options
 
 INT64 = 1 << 63
@@ -129,7 +129,7 @@ class _Sampling(_Model):
     top_k: Annotated[Int, Field(ge=-1, description="-1 or 0: off")] | None = None
     min_p: _num(ge=0, le=1) | None = 0.0
     seed: Annotated[Int, Field(ge=-INT64, le=INT64 - 1)] | None = None
-    n: Annotated[Int, Field(ge=1, description="only 1: one sequence at a time")] | None = 1
+    n: Annotated[Int, Field(ge=1, description=f"choices, one prefill; at most {MAX_CHOICES}")] | None = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: list[TokenId] | None = None
     min_tokens: Annotated[Int, Field(ge=0, description="EOS and stop_token_ids cannot end it sooner")] | None = None
@@ -175,7 +175,9 @@ class CompletionRequestBody(_Sampling):
     logprobs: bool | Logprobs | None = Field(None, description="k alternatives per token; true means 1 (as vLLM)")
     echo: bool | None = False
     suffix: str | None = Field(None, description="not supported")
-    best_of: Annotated[Int, Field(ge=1)] | None = Field(None, description="only 1")
+    best_of: Annotated[Int, Field(ge=1)] | None = Field(
+        None, description=f"sequences generated, the n of highest cumulative logprob returned; at most {MAX_CHOICES}"
+    )
 
 
 class TokenizeRequestBody(_Model):
@@ -282,10 +284,26 @@ def _neutral(value, key: str, neutral) -> None:
         raise InvalidRequest(f"{key} is not supported by this server (no repetition penalties; send {neutral})", key)
 
 
-def _options(b: _Sampling, served: ServedModel, max_tokens: int | None, logprobs: int | None) -> GenerationOptions:
+def _choices(n: int | None, best_of: int | None, stream: bool) -> tuple[int, int | None]:
+    """n and best_of checked as vLLM checks them -> (n, best_of or None)."""
+    n = n or 1
+    if n > MAX_CHOICES:
+        raise InvalidRequest(f"n is {n}; this server allows at most {MAX_CHOICES} choices a request", param="n")
+    if best_of is None or best_of == n:
+        return n, None
+    if best_of < n:
+        raise InvalidRequest(f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+    if best_of > MAX_CHOICES:
+        raise InvalidRequest(f"best_of is {best_of}; this server allows at most {MAX_CHOICES}", param="best_of")
+    if stream:
+        raise InvalidRequest("best_of > n cannot be streamed: send stream: false", param="best_of")
+    return n, best_of
+
+
+def _options(b: _Sampling, served: ServedModel, max_tokens: int | None, logprobs: int | None,
+             best_of: int | None = None) -> GenerationOptions:  # fmt: skip
     served.check(b.model)
-    if b.n not in (None, 1):
-        raise InvalidRequest("n > 1 is not supported: this server runs one sequence at a time", param="n")
+    n, best_of = _choices(b.n, best_of, bool(b.stream))
     _neutral(b.presence_penalty, "presence_penalty", 0)
     _neutral(b.frequency_penalty, "frequency_penalty", 0)
     _neutral(b.repetition_penalty, "repetition_penalty", 1)
@@ -309,6 +327,8 @@ def _options(b: _Sampling, served: ServedModel, max_tokens: int | None, logprobs
         skip_special_tokens=b.skip_special_tokens is not False,
         logprobs=logprobs,
         prompt_logprobs=b.prompt_logprobs,
+        n=n,
+        best_of=best_of,
     )
 
 
@@ -377,13 +397,11 @@ def to_completion(b: CompletionRequestBody, served: ServedModel) -> tuple[Comple
     prompt = _prompt(b.prompt, served)
     if b.suffix:
         raise InvalidRequest("suffix is not supported by this server", param="suffix")
-    if b.best_of not in (None, 1):
-        raise InvalidRequest("best_of > 1 is not supported", param="best_of")
     logprobs = b.logprobs
     if isinstance(logprobs, bool):  # vLLM reads true as 1 alternative; false is off
         logprobs = 1 if logprobs else None
     max_tokens = COMPLETION_MAX_TOKENS if b.max_tokens is None else b.max_tokens
-    options = _options(b, served, max_tokens, logprobs)
+    options = _options(b, served, max_tokens, logprobs, b.best_of)
     req = CompletionRequest(prompt, options, echo=bool(b.echo), cache_salt=b.cache_salt)
     return req, _stream(b)
 

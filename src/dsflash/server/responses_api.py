@@ -106,6 +106,8 @@ def to_responses(b: ResponsesRequest, served: ServedModel) -> tuple[ChatRequest,
     named = choice.model_dump() if isinstance(choice, ResponsesNamedTool) else None
     mode, name = tool_choice("function" if named else choice, named and named["name"], tools)
     fmt = b.text.format if b.text is not None else None
+    if b.n not in (None, 1):  # a response holds one output; OpenAI's Responses API has no n
+        raise InvalidRequest("n > 1 is not supported by the Responses API; use /v1/chat/completions", param="n")
     options = _options(b, served, b.max_output_tokens, b.top_logprobs)
     effort = b.reasoning.effort if b.reasoning is not None else None
     thinking = False if effort == "none" else None

@@ -122,6 +122,7 @@ def _generation(app: App, kind: str, body, raw) -> Generation:
         logprobs=opts.logprobs is not None,
         include_usage=stream.include_usage,
         prompt_logprobs=opts.prompt_logprobs is not None,
+        n=opts.n,
     )
     return Generation(kind, replace(req, request_id=meta.id), stream, meta, protocol.unknown_fields(body))
 

@@ -11,6 +11,8 @@ from dsflash.text.chat import ChatOptions
 from dsflash.text.tools import ToolCall
 
 MAX_LOGPROBS = 20
+# choices one request may ask for (n, best_of): each holds a sequence slot, or the queue's place, while it runs
+MAX_CHOICES = 16
 # new tokens a request that names no max_tokens may generate (the rest of the context where less is left): one
 # request without a limit must not hold a one-sequence server for minutes (a chat at the full context ran 3.5 min)
 MAX_TOKENS_DEFAULT = 2048
@@ -49,6 +51,8 @@ class GenerationOptions:
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k alternatives
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens (vLLM's)
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob plus the top k alternatives
+    n: int = 1  # choices returned
+    best_of: int | None = None  # sequences generated, of which the n with the highest cumulative logprob return
 
 
 @dataclass(frozen=True)
@@ -166,3 +170,5 @@ class Delta:
     # on the first Delta when prompt_logprobs was asked: per prompt position (None for the first), the prompt's
     # token first, then the top k alternatives
     prompt_logprobs: tuple[tuple[PromptLogprob, ...] | None, ...] | None = None
+    index: int = 0  # the choice it belongs to (n > 1)
+    cumulative_logprob: float | None = None  # on the last Delta: the sum of the sampled tokens' logprobs

@@ -5,6 +5,10 @@ Runs on the caller's thread (an HTTP worker), never on the engine thread: the en
 The one check of prompt + max_tokens against the context is here, where the prompt's length is known.
 Text order per token: detokenizer -> `</think>` split (chat, when the prompt opened `<think>`) -> DSML tool calls
 (chat with tools) -> stop strings (content only; a match cancels the engine's handle).
+
+n > 1 (and best_of) are several sequences of one prompt: one text pipeline and one seed each (the request's seed
++ i, as vLLM derives them); the engine prefills the prompt once where it can fork it (runtime/scheduler/batch.py's
+submit_n), else the sequences run one after another as plain requests. Deltas carry their choice's index.
 """
 
 from __future__ import annotations
@@ -162,7 +166,10 @@ class Generator:
         grammar = self.chat_grammar(req)
         if grammar is not None and thinking:  # the reasoning is free; the grammar holds from `</think>` on
             grammar = grammar.starting_after(self.tokenizer.think_close_id)
-        pipe = _Pipeline(self.tokenizer, req.options, reasoning=thinking, tools=tools)
+
+        def pipe():
+            return _Pipeline(self.tokenizer, req.options, reasoning=thinking, tools=tools)
+
         return self._submit(ids, req.options, pipe, req.request_id, t0, param="messages", salt=req.cache_salt,
                             constraint=grammar)  # fmt: skip
 
@@ -179,7 +186,10 @@ class Generator:
     def open_completion(self, req: CompletionRequest) -> Stream:
         t0 = self.clock()
         ids = self.text_prompt(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        pipe = _Pipeline(self.tokenizer, req.options, echo=req.echo)
+
+        def pipe():
+            return _Pipeline(self.tokenizer, req.options, echo=req.echo)
+
         return self._submit(ids, req.options, pipe, req.request_id, t0, param="prompt", salt=req.cache_salt)
 
     def _max_tokens(self, asked: int | None, n: int) -> int:
@@ -198,7 +208,7 @@ class Generator:
     def stream(self, req: ChatRequest | CompletionRequest) -> Iterator[Delta]:
         return iter(self.open_chat(req) if isinstance(req, ChatRequest) else self.open_completion(req))
 
-    def _submit(self, ids, opts: GenerationOptions, pipe: _Pipeline, request_id, t0: float, param: str,
+    def _submit(self, ids, opts: GenerationOptions, pipe, request_id, t0: float, param: str,
                 salt: str | None = None, constraint: Grammar | None = None) -> Stream:  # fmt: skip
         n = len(ids)
         if n >= self.max_len:
@@ -211,7 +221,11 @@ class Generator:
                 param="max_tokens",
             )
         # the engine scores the prompt once, with the most alternatives anyone here wants
-        wants = [k for k in (opts.logprobs if pipe.echo else None, opts.prompt_logprobs) if k is not None]
+        echo = pipe().echo
+        wants = [k for k in (opts.logprobs if echo else None, opts.prompt_logprobs) if k is not None]
+        total = max(opts.n, opts.best_of or 0)
+        # best_of ranks the sequences by their tokens' cumulative logprob: the sampler must report each one's
+        ranked = total > opts.n
         prompt_lp = max(wants) if wants else None
         params = SamplingParams(
             temperature=opts.temperature,
@@ -222,7 +236,7 @@ class Generator:
             max_tokens=max_tokens,
             stop_token_ids=opts.stop_token_ids,
             ignore_eos=opts.ignore_eos,
-            logprobs=opts.logprobs,
+            logprobs=0 if ranked and opts.logprobs is None else opts.logprobs,
             prompt_logprobs=prompt_lp,
             min_tokens=min(opts.min_tokens, max_tokens),
             eos_ids=() if opts.ignore_eos else tuple(self.tokenizer.eos_ids),
@@ -231,22 +245,108 @@ class Generator:
         request = GenerationRequest(tuple(ids), params, cache_salt=salt)
         if request_id is not None:
             request = replace(request, request_id=request_id)
+        seed = params.seed
+        each = [replace(params, seed=None if seed is None else (seed + i) % (1 << 63)) for i in range(total)]
         try:
-            handle = self.engine.submit(request)
+            if total == 1:
+                source = _Single(self.engine.submit(request))
+            elif hasattr(self.engine, "submit_n"):
+                source = _Forked(self.engine.submit_n(request, each))
+            else:
+                source = _OneAfterAnother(self.engine, [replace(request, params=p) for p in each])
         except Overloaded as e:  # the queue filled between admission and now
             raise Overloaded(str(e), retry_after=self.expected_wait()) from None
         stats = RequestStats(request.request_id, prompt_tokens=n)
-        return Stream(self, handle, ids, pipe, stats, t0)
+        return Stream(self, source, ids, [pipe() for _ in range(total)], stats, t0)
+
+
+class _Single:
+    """A one-sequence request's events, as (choice 0, event)."""
+
+    def __init__(self, handle: Handle):
+        self.handle = handle
+
+    @property
+    def started(self) -> bool:
+        return self.handle.started.is_set()
+
+    def cancel(self, index: int | None = None) -> None:
+        self.handle.cancel()
+
+    def __iter__(self):
+        return ((0, ev) for ev in self.handle)
+
+
+class _Forked:
+    """An n-sequence request the engine forks after one prefill (runtime/scheduler/batch.Fork)."""
+
+    def __init__(self, fork):
+        self.fork = fork
+        self.handle = fork.branches[0]
+
+    @property
+    def started(self) -> bool:
+        return self.fork.started.is_set()
+
+    def cancel(self, index: int | None = None) -> None:
+        if index is None:
+            self.fork.cancel()
+        else:
+            self.fork.branches[index].cancel()
+
+    def __iter__(self):
+        return iter(self.fork)
+
+
+class _OneAfterAnother:
+    """An n-sequence request on an engine that cannot fork a prompt: each sequence a request, submitted when the one
+    before it ended (it holds one place in the queue at a time; the prefix cache shares what it holds of the
+    prompt)."""
+
+    def __init__(self, engine: Engine, requests: list[GenerationRequest]):
+        self.engine, self.requests = engine, requests
+        self.handle = engine.submit(requests[0])
+        self._index, self._cancelled = 0, False
+
+    @property
+    def started(self) -> bool:
+        return self.handle.started.is_set()
+
+    def cancel(self, index: int | None = None) -> None:
+        if index is None:
+            self._cancelled = True
+            self.handle.cancel()
+        elif index == self._index:
+            self.handle.cancel()
+
+    def __iter__(self):
+        for i, req in enumerate(self.requests):
+            if i:
+                if self._cancelled:
+                    return
+                self.handle, self._index = self.engine.submit(req), i
+            for ev in self.handle:
+                yield i, ev
 
 
 class Stream:
-    """One submitted request: iterate for Deltas (once), cancel() from any thread."""
+    """One submitted request: iterate for Deltas (once), cancel() from any thread. With n > 1 the choices' Deltas
+    interleave, each with its index; stats add up every choice's tokens."""
 
-    def __init__(self, gen: Generator, handle: Handle, prompt: list[int], pipe: _Pipeline, stats, t0: float):
-        self.gen, self.handle, self.prompt, self.pipe, self.stats, self.t0 = gen, handle, prompt, pipe, stats, t0
+    def __init__(self, gen: Generator, source, prompt: list[int], pipes: list[_Pipeline], stats, t0: float):
+        self.gen, self.source, self.prompt, self.stats, self.t0 = gen, source, prompt, stats, t0
+        self.choices = [_Choice(i, p) for i, p in enumerate(pipes)]
         self._t_first: float | None = None
         self._prefill_s = 0.0
-        self._prompt_sent = pipe.opts.prompt_logprobs is None
+
+    @property
+    def handle(self) -> Handle:
+        """The engine's handle of the (first) sequence."""
+        return self.source.handle
+
+    @property
+    def pipe(self) -> _Pipeline:
+        return self.choices[0].pipe
 
     @property
     def request_id(self) -> str:
@@ -255,27 +355,32 @@ class Stream:
     @property
     def started(self) -> bool:
         """The engine has taken it (it no longer waits in the queue)."""
-        return self.handle.started.is_set()
+        return self.source.started
 
     def cancel(self) -> None:
-        self.handle.cancel()
+        self.source.cancel()
 
     def __iter__(self) -> Iterator[Delta]:
-        pipe, tok = self.pipe, self.gen.tokenizer
-        events = iter(self.handle)
+        tok, left = self.gen.tokenizer, len(self.choices)
         try:
-            for ev in events:
-                yield from self._on_event(ev, pipe, tok)
-                if ev.finish_reason is not None or pipe.stops.stopped:
-                    break
+            for i, ev in self.source:
+                c = self.choices[i]
+                if c.finish is not None:  # ended by a stop string: the engine's "cancelled" that followed
+                    continue
+                for d in self._on_event(c, ev, tok):
+                    yield replace(d, index=i) if i else d
+                if c.finish is not None:
+                    left -= 1
+                    if not left:
+                        break
         finally:
             if self.stats.finish_reason is None:  # the consumer went away or an error ended the stream
-                self.handle.cancel()
+                self.source.cancel()
 
-    def _on_event(self, ev: TokenEvent, pipe: _Pipeline, tok: Tokenizer) -> Iterator[Delta]:
-        now = self.gen.clock()
-        if not self._prompt_sent:  # the first event carries the prompt's logprobs when they were asked for
-            self._prompt_sent = True
+    def _on_event(self, c: _Choice, ev: TokenEvent, tok: Tokenizer) -> Iterator[Delta]:
+        now, pipe = self.gen.clock(), c.pipe
+        if not c.prompt_sent:  # the first event carries the prompt's logprobs when they were asked for
+            c.prompt_sent = True
             yield Delta("prompt", prompt_logprobs=pipe.prompt_logprobs(self.prompt, ev.prompt_logprobs))
         if pipe.echo and not pipe.echoed:
             yield from pipe.echo_prompt(self.prompt, ev.prompt_logprobs)
@@ -285,36 +390,59 @@ class Stream:
         if ev.token is not None:
             if self._t_first is None:
                 self._t_first, self.stats.ttft_s = now, now - self.t0
+            if not c.started:
+                c.started = True
                 yield Delta("start")
             self.stats.decode_s = now - self._t_first
             self.stats.completion_tokens += 1
+            c.tokens += 1
+            if ev.logprob is not None:
+                c.logprob += ev.logprob
             if pipe.in_reasoning:
                 self.stats.reasoning_tokens += 1
+                c.reasoning += 1
             if not ev.stop_token:
                 yield from pipe.feed_token(ev.token, ev.logprob, ev.top)
         if pipe.stops.stopped:
-            self.handle.cancel()  # the engine learns only "cancelled"; the client sees a normal stop
-            yield from self._finish("stop")
+            self.source.cancel(c.index)  # the engine learns only "cancelled"; the client sees a normal stop
+            yield from self._finish(c, "stop")
         elif ev.finish_reason is not None:
-            yield from self._finish(ev.finish_reason)
+            yield from self._finish(c, ev.finish_reason)
 
-    def _finish(self, reason: str) -> Iterator[Delta]:
-        pipe = self.pipe
+    def _finish(self, c: _Choice, reason: str) -> Iterator[Delta]:
+        pipe = c.pipe
         yield from pipe.finish()
         if reason == "stop" and pipe.tool_calls:
             reason = "tool_calls"
-        self.stats.finish_reason = reason
+        c.finish = reason
         st = self.stats
-        if reason != "cancelled":
-            self.gen.recent_s.append(self._prefill_s + st.decode_s)
-        usage = Usage(st.prompt_tokens, st.completion_tokens, st.reasoning_tokens, st.cached_tokens)
-        yield Delta("content", logprobs=pipe.take_logprobs(), finish_reason=reason, usage=usage)
+        if all(x.finish is not None for x in self.choices):
+            # the request's outcome: cancelled when any sequence was (the client did not get all it asked for)
+            reasons = [x.finish for x in self.choices]
+            st.finish_reason = "cancelled" if "cancelled" in reasons else reasons[0]
+            if st.finish_reason != "cancelled":
+                self.gen.recent_s.append(self._prefill_s + st.decode_s)
+        usage = Usage(st.prompt_tokens, c.tokens, c.reasoning, st.cached_tokens)
+        yield Delta("content", logprobs=pipe.take_logprobs(), finish_reason=reason, usage=usage,
+                    cumulative_logprob=c.logprob)  # fmt: skip
 
     def _read_counters(self, stats: StepStats | None) -> None:
         if stats is not None:
             self.stats.experts = stats.experts - stats.experts_start
             if stats.ttft_s is not None:  # the first event's: how much of the prompt a snapshot held
                 self.stats.cached_tokens = stats.cached_tokens
+
+
+class _Choice:
+    """Where one sequence of a request stands: its text pipeline, tokens and cumulative logprob."""
+
+    def __init__(self, index: int, pipe: _Pipeline):
+        self.index, self.pipe = index, pipe
+        self.prompt_sent = pipe.opts.prompt_logprobs is None
+        self.started = False
+        self.finish: str | None = None
+        self.tokens = self.reasoning = 0
+        self.logprob = 0.0
 
 
 class _Pipeline:

@@ -9,22 +9,102 @@ fails fails alone. A batched step that fails takes only the sequences in it (the
 unless the runner is gone (EngineDead), which ends the engine as before.
 
 With a prefix cache, a sequence is restored into its slot on admission and snapshotted at the same points as in
-the one-at-a-time engine (runtime/scheduler/engine.py); snapshots address the selected slot (runner.select)."""
+the one-at-a-time engine (runtime/scheduler/engine.py); snapshots address the selected slot (runner.select).
+
+An n-sequence request (submit_n: OpenAI's n / best_of) is one queue entry whose prompt is prefilled once, in its
+first sequence's slot; the state is then copied into each sibling's slot (runner.snapshot, select, restore under a
+private key) and every sibling starts from the same last logits, with its own sampler. Siblings take free slots
+before the queue's next request; with one slot they run one after another from the same copy. A runner that keeps
+no snapshots (the TP runner with the prefix cache off) has each sibling prefill the prompt itself."""
 
 from __future__ import annotations
 
 import logging
+import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dsflash.errors import EngineDead
 from dsflash.runtime.scheduler.engine import Engine, _prompt_logprobs
-from dsflash.runtime.scheduler.queue import Handle, StepStats, TokenEvent
-from dsflash.runtime.scheduler.sampler import Sampler
+from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, StepStats, TokenEvent
+from dsflash.runtime.scheduler.sampler import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class Fork:
+    """The consumer side of an n-sequence request: iterate (sequence index, TokenEvent) until every sequence
+    ended; an error of any sequence is raised; cancel() cancels them all."""
+
+    def __init__(self, request: GenerationRequest, params: list[SamplingParams]):
+        self.request, self.events = request, queue.SimpleQueue()
+        self.branches: list[Branch] = []
+        self.params = params
+
+    def make(self, request: GenerationRequest, owner) -> Branch:
+        """The queue's handle factory: the first sequence is the one queued; its siblings wait in the engine."""
+        self.branches = [Branch(replace(request, params=p), self, i) for i, p in enumerate(self.params)]
+        self.branches[0]._owner = owner
+        return self.branches[0]
+
+    @property
+    def started(self):
+        return self.branches[0].started
+
+    def cancel(self) -> None:
+        for b in self.branches[1:]:
+            b._cancel.set()
+        first = self.branches[0]
+        first.cancel()  # still queued: withdrawn and answered now, and so are the siblings
+        if first.state == "withdrawn":
+            for b in self.branches[1:]:
+                b.put(TokenEvent(None, 0, finish_reason="cancelled"))
+                b.close()
+
+    def __iter__(self):
+        open_ = len(self.branches)
+        while open_:
+            i, item = self.events.get()
+            if item is Handle._DONE:
+                open_ -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield i, item
+
+
+class Branch(Handle):
+    """One sequence of a Fork: its events go to the fork's one stream, tagged with its index."""
+
+    def __init__(self, request: GenerationRequest, fork: Fork, index: int):
+        super().__init__(request)
+        self.fork, self.index = fork, index
+        self._closed = False
+
+    def put(self, item) -> None:
+        if not self._closed:
+            self.fork.events.put((self.index, item))
+
+    def close(self, error: BaseException | None = None) -> None:
+        if not self._closed:  # once: a fork's stream counts its sequences' endings
+            self._closed = True
+            self.fork.events.put((self.index, error if error is not None else Handle._DONE))
+
+
+@dataclass
+class _Group:
+    """Where an n-sequence request's shared prompt stands in the engine: the siblings waiting for a slot, and once
+    the prompt is prefilled, the snapshot key of its state (None: each prefills itself) and its last logits."""
+
+    pending: list[Branch]
+    ready: bool = False
+    key: int | None = None
+    last: torch.Tensor | None = None
+    lps: list | None = None
+    stats: StepStats | None = None
+    cached: int = 0
 
 
 @dataclass
@@ -44,6 +124,7 @@ class Seq:
     index: int = 0  # tokens generated
     fed: list[int] = field(default_factory=list)
     stats: StepStats | None = None
+    group: _Group | None = None  # the first sequence of an n-sequence request (its siblings wait on its prefill)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -85,6 +166,18 @@ class BatchEngine(Engine):
         self.seqs: list[Seq] = []  # admission order: the oldest prompt is prefilled first
         self.steps = StepLog()
         self._selected: int | None = None
+        self._groups: list[_Group] = []  # n-sequence requests with siblings still waiting, oldest first
+        self._fork_keys = 0
+        # a state copy between slots goes through the runner's snapshots (a TP runner keeps none without the cache)
+        self.can_fork = getattr(runner, "snapshot_identity", None) is not None
+
+    def submit_n(self, request: GenerationRequest, params: list[SamplingParams]) -> Fork:
+        """len(params) sequences continuing one prompt, sequence i sampled with params[i] -> their Fork."""
+        self._check_running()
+        self.validate(request)
+        fork = Fork(request, params)
+        self.queue.submit(request, make=fork.make)
+        return fork
 
     @property
     def running(self) -> int:
@@ -113,30 +206,84 @@ class BatchEngine(Engine):
             for seq in list(self.seqs):  # shut down (close() cancelled them): each consumer gets its ending
                 self._finish(seq.handle, TokenEvent(None, seq.index, finish_reason="cancelled"))
                 self._leave(seq)
+            for g in self._groups:
+                for b in g.pending:
+                    self._finish(b, TokenEvent(None, 0, finish_reason="cancelled"))
+            self._groups = []
         except BaseException as e:  # the thread itself is going down: fail everyone, never hang them
             log.error("engine thread stopped: %s", e)
             dead = e if isinstance(e, EngineDead) else EngineDead(f"the engine failed: {e}")
             self.queue.fail_all(dead)
             for s in self.seqs:
                 s.handle.close(dead)
-            self.seqs = []
+            for g in self._groups:
+                for b in g.pending:
+                    b.close(dead)
+            self.seqs, self._groups = [], []
 
     def _admit(self) -> None:
-        """Take waiting requests into free slots (FIFO); block briefly only when nothing runs."""
-        while len(self.seqs) < self.max_num_seqs:
+        """Take waiting siblings of admitted requests, then waiting requests, into free slots (FIFO); block briefly
+        only when nothing runs."""
+        self._admit_siblings()
+        while len(self.seqs) < self.max_num_seqs and not self._groups:
             handle = self.queue.take(timeout=0 if self.seqs else 0.5)
             if handle is None:
                 return
             self.counters["requests"] += 1
+            siblings = handle.fork.branches[1:] if isinstance(handle, Branch) else []
             if handle.cancelled:
-                self._finish(handle, TokenEvent(None, 0, finish_reason="cancelled"))
+                for h in (handle, *siblings):
+                    self._finish(h, TokenEvent(None, 0, finish_reason="cancelled"))
                 continue
             handle.started.set()
-            used = {s.slot for s in self.seqs}
-            slot = min(set(range(self.max_num_seqs)) - used)
-            seq = Seq(handle, slot, Sampler(handle.request.params), self.runner.counters(), time.perf_counter())
-            self.seqs.append(seq)
+            seq = self._seat(handle)
+            if siblings:
+                seq.group = _Group(list(siblings))
+                self._groups.append(seq.group)
             self._guard(seq, self._begin, seq)
+
+    def _seat(self, handle: Handle) -> Seq:
+        used = {s.slot for s in self.seqs}
+        slot = min(set(range(self.max_num_seqs)) - used)
+        seq = Seq(handle, slot, Sampler(handle.request.params), self.runner.counters(), time.perf_counter())
+        self.seqs.append(seq)
+        return seq
+
+    def _admit_siblings(self) -> None:
+        """Siblings whose shared prompt is prefilled start in free slots from its copy (cancelled ones end)."""
+        for g in list(self._groups):
+            for b in [b for b in g.pending if b.cancelled]:
+                g.pending.remove(b)
+                self._finish(b, TokenEvent(None, 0, finish_reason="cancelled"))
+            while g.ready and g.pending and len(self.seqs) < self.max_num_seqs:
+                seq = self._seat(g.pending.pop(0))
+                seq.t0 = time.perf_counter()
+                self._guard(seq, self._fork_begin, seq, g)
+            if not g.pending:
+                self._groups.remove(g)
+                if g.key is not None:
+                    self.runner.drop(g.key, memory=True, disk=False)
+
+    def _fork_begin(self, seq: Seq, g: _Group) -> None:
+        """The slot's state set to the shared prompt's copy; the first token sampled from the shared logits."""
+        if g.key is None:  # no copy to start from: this sequence prefills the prompt itself
+            return self._begin(seq)
+        self._select(seq.slot)
+        if not self.runner.restore(g.key, len(seq.prompt), False, True):
+            raise RuntimeError("the shared prompt's state copy is gone")
+        seq.pos, seq.cached, seq.lps, seq.stats = len(seq.prompt), g.cached, g.lps, g.stats
+        seq.last = g.last
+        self._emit(seq)
+
+    def _share_prompt(self, seq: Seq, last: torch.Tensor) -> None:
+        """The first sequence's prompt is prefilled: keep its state and logits for the siblings."""
+        g = seq.group
+        g.last, g.lps, g.stats, g.cached, g.ready = last, seq.lps, seq.stats, seq.cached, True
+        if self.can_fork:
+            self._fork_keys += 1
+            key = -self._fork_keys  # prefix keys are hashes >= 0: a private key never meets one
+            self.runner.snapshot(key, True, False, seq.prompt, "")
+            g.key = key
 
     def _begin(self, seq: Seq) -> None:
         """The slot's state set to the deepest cached prefix of the prompt (prompt logprobs: none), else reset."""
@@ -166,6 +313,16 @@ class BatchEngine(Engine):
         self.counters["failed"] += 1
         seq.handle.close(e)
         self._leave(seq)
+        self._orphan(seq, lambda b: b.close(e))
+
+    def _orphan(self, seq: Seq, end) -> None:
+        """The first sequence of a request left before its prompt was shared: its waiting siblings end with it."""
+        g = seq.group
+        if g is not None and not g.ready:
+            for b in g.pending:
+                end(b)
+            g.pending = []
+            self._groups.remove(g)
 
     def _leave(self, seq: Seq) -> None:
         if seq in self.seqs:
@@ -178,6 +335,7 @@ class BatchEngine(Engine):
     def _cancel(self, seq: Seq) -> None:
         self._finish(seq.handle, TokenEvent(None, seq.index, finish_reason="cancelled"))
         self._end(seq)
+        self._orphan(seq, lambda b: self._finish(b, TokenEvent(None, 0, finish_reason="cancelled")))
 
     def _end(self, seq: Seq) -> None:
         """The sequence leaves its slot; its state (prompt + the tokens fed) is snapshotted first."""
@@ -234,10 +392,16 @@ class BatchEngine(Engine):
                               cached_tokens=seq.cached)  # fmt: skip
         if req.params.max_tokens == 0:  # only the prompt was scored (echo + logprobs)
             event = TokenEvent(None, 0, finish_reason="length", prompt_logprobs=seq.lps, stats=seq.stats)
-            self._finish(seq.handle, event)
+            for h in (seq.handle, *(seq.group.pending if seq.group else ())):
+                self._finish(h, replace(event))
+            if seq.group is not None:
+                seq.group.pending = []
+                self._groups.remove(seq.group)
             self._leave(seq)
             self._save(req, prompt)
             return
+        if seq.group is not None:
+            self._share_prompt(seq, seq.last)
         self._emit(seq)
 
     # ---- decode ----

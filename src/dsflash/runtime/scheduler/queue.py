@@ -96,13 +96,15 @@ class RequestQueue:
         self.withdrawn = 0  # requests cancelled while they waited (never reach the engine)
         self.dead: BaseException | None = None
 
-    def submit(self, request: GenerationRequest) -> Handle:
+    def submit(self, request: GenerationRequest, make=None) -> Handle:
+        """make(request, owner) -> the Handle to queue (default: a Handle; runtime/scheduler/batch.py queues the
+        first sequence of an n-sequence request)."""
         with self._lock:  # fail_all holds it too: a request either sees the engine dead or is drained by it
             if self.dead is not None:
                 raise EngineDead(f"the engine stopped: {self.dead}")
             self.check_room()
             self._waiting += 1
-            handle = Handle(request, owner=self)
+            handle = (make or Handle)(request, self)
             self._q.put(handle)
         return handle
 
