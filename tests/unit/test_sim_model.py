@@ -14,6 +14,7 @@ from dsflash.sim.box import BASELINE, MEASURED, REFERENCE, REFERENCE_LOCALITY, W
 from dsflash.sim.model import Machine
 from dsflash.sim.run import Simulator
 from dsflash.sim.traces import RequestTrace, SyntheticRouting, draw_without_replacement, load_recorded
+from dsflash.sim.whatif import concurrency, concurrency_markdown
 
 
 def test_workloads_match_the_bench_presets():
@@ -64,6 +65,32 @@ def test_serial_step_times_are_the_sum_of_their_parts():
     # decode: two steps, every expert already resident
     assert r.tpots == pytest.approx([0.1 + 2 * 0.01] * 2)
     assert r.decode_misses == 0
+
+
+def test_a_batched_decode_step_reads_the_union_of_its_sequences_experts_once():
+    box = Box(layers=2, experts=8, top_k=2, slots=16, chips=4, floor=0.1, layer_sync=0.01, token_compute=0.001,
+              prefill_chunk=4, page_cache=1e12)  # fmt: skip
+    # the prompt touches all 8 experts; decode tokens t use {t % 4, 4 + t % 4}: two sequences share a step's experts
+    same = Machine(box, BASELINE, np.arange(16), experts=8).run_streams([steps_of(4, 3), steps_of(4, 3)])
+    assert same.tpots == pytest.approx([0.1 + 2 * 0.01] * 2)  # resident: the floor and the syncs, once per step
+    assert same.decode_accesses == 2 * 2 * 2  # two steps, two layers, two distinct experts (not four)
+    small = box.with_(slots=8)  # one layer of experts fits: a second sequence adds misses of its own
+    other = RequestTrace(4, 3, ids=steps_of(6, 3).ids[2:])  # its tokens are two ahead: other experts
+    one = Machine(small, BASELINE, np.arange(16), experts=8).run_streams([steps_of(4, 3)])
+    two = Machine(small, BASELINE, np.arange(16), experts=8).run_streams([steps_of(4, 3), other])
+    assert two.decode_accesses == 2 * one.decode_accesses and two.decode_misses > one.decode_misses
+    assert max(two.tpots) > max(one.tpots)  # the misses' copies cost the step; still one floor for both tokens
+    assert sum(two.tpots) < 2 * sum(one.tpots)
+
+
+def test_concurrency_rows_on_the_reference_box(capsys):
+    sim = Simulator(REFERENCE, REFERENCE_LOCALITY, prompts=1)
+    rows = concurrency(sim, [WORKLOADS["chat"].scaled(0.1)], streams=(1, 4))
+    one, four = rows
+    assert four.aggregate_tok_s > 1.5 * one.aggregate_tok_s  # the floor and the resident weights are shared
+    assert four.per_stream_tok_s < one.per_stream_tok_s  # the union of four tokens' experts costs copies
+    assert one.experts_per_step < four.experts_per_step <= 4 * one.experts_per_step
+    assert "| chat | 4 |" in concurrency_markdown(rows)
 
 
 def test_overlap_and_prefetch_never_slow_a_step_down():

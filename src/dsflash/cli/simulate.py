@@ -1,6 +1,6 @@
 """`dsflash simulate`: the trace-driven performance model of an expert-streaming box (docs/simulator.md): the
 calibration table against the reference QuietBox 2, and what each lever (cache policy, overlap, prefetch,
-expert-major prefill, page cache, cold reads) buys."""
+expert-major prefill, page cache, cold reads, concurrent streams) buys."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
         default=None,
         help="synthetic locality: chance a token reuses the previous token's experts (default: 0.2)",
     )
+    p.add_argument("--streams", default="1,2,4,8", metavar="B[,B...]",
+                   help="sequences decoding at once in the what-if's concurrency rows (the union of their experts "
+                   "per layer read once per step)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.set_defaults(run=run)
@@ -47,10 +50,18 @@ def run(args) -> int:
     from dsflash.sim.box import REFERENCE, REFERENCE_LOCALITY, WORKLOADS
     from dsflash.sim.run import Simulator
     from dsflash.sim.traces import load_recorded
-    from dsflash.sim.whatif import calibration, calibration_markdown, what_if, what_if_markdown
+    from dsflash.sim.whatif import (
+        calibration,
+        calibration_markdown,
+        concurrency,
+        concurrency_markdown,
+        what_if,
+        what_if_markdown,
+    )
 
     if args.prompts < 1 or args.scale <= 0:
         raise ConfigError("--prompts must be >= 1 and --scale > 0")
+    streams = _streams(args.streams)
     loc = REFERENCE_LOCALITY
     for name in ("zipf", "request_sigma", "reuse"):
         if getattr(args, name) is not None:
@@ -85,10 +96,27 @@ def run(args) -> int:
             print(what_if_markdown(table))
             out["what_if"] = [{"lever": lv.name, **asdict(r), "decode_tok_s": r.decode_tok_s}
                               for lv, rs in table for r in rs]  # fmt: skip
+            rows = concurrency(sim, wls, streams, progress=progress)
+            print("\n## what-if: concurrent streams (reference box; factor against one stream)\n")
+            print(concurrency_markdown(rows))
+            out["concurrency"] = [asdict(r) | {"aggregate_tok_s": r.aggregate_tok_s,
+                                               "per_stream_tok_s": r.per_stream_tok_s} for r in rows]  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
     return 0
+
+
+def _streams(text: str) -> tuple[int, ...]:
+    from dsflash.errors import ConfigError
+
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise ConfigError(f"--streams takes positive integers separated by commas (1,2,4,8); got {text!r}")
+    return out
 
 
 def _recorded_markdown(table) -> str:

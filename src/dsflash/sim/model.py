@@ -1,5 +1,10 @@
 """The step-time model: for each forward pass, per MoE layer, which experts miss the device slots (cache.py),
-where their bytes come from (host page cache or NVMe), and how the copies line up with the compute."""
+where their bytes come from (host page cache or NVMe), and how the copies line up with the compute.
+
+Concurrent sequences (run_streams): one decode step advances each of B sequences by a token; per layer the union
+of their routed experts is looked up, copied and read once, the resident weights (attention, head, shared
+experts) once per step; attention's context cost is per sequence, and the B tokens' math shows only where it
+outlasts the step's floor and weight reads."""
 
 from __future__ import annotations
 
@@ -42,6 +47,26 @@ class Machine:
         self.page = dict.fromkeys(int(k) for k in self.hot_order[: self.box.page_cache_experts][::-1])
         self._rng = np.random.default_rng(self.seed + 7919)
 
+    def run_streams(self, traces: list[RequestTrace]) -> RequestResult:
+        """B requests at once: their prompts prefilled one after another (not timed), then decode steps that advance
+        every sequence by one token -> the decode steps' seconds (tpots) and slot counts."""
+        res = RequestResult(0.0, [])
+        decodes = []
+        for tr in traces:
+            steps = list(tr.steps(self.box.prefill_chunk, self.policy.expert_major))
+            for step in steps:
+                if step.kind == "prefill":
+                    self._step(step, tr, res)
+            decodes.append([s for s in steps if s.kind == "decode"])
+        res.prefill_misses = res.decode_misses = res.decode_accesses = 0
+        for k in range(min(len(d) for d in decodes)):
+            batch = [d[k] for d in decodes]
+            layers = len(batch[0].routing)
+            routing = [np.concatenate([s.routing[l] for s in batch]) for l in range(layers)]
+            step = Step("decode", batch[0].pos, len(batch), routing, positions=[s.pos for s in batch])
+            res.tpots.append(self._step(step, traces[0], res))
+        return res
+
     def run(self, trace: RequestTrace, cached: int = 0) -> RequestResult:
         """One request; `cached` prompt tokens come from a prefix snapshot (copied back at snapshot_bw)."""
         b = self.box
@@ -62,6 +87,10 @@ class Machine:
         the `touched` experts from device DRAM; the host round trips; per-token math; the 32k profile's cost."""
         b = self.box
         dram = (b.resident_bytes + touched * b.expert_bytes) / (b.chips * b.dram_bw)
+        if step.positions is not None:  # a batched decode step: the tokens' math runs under the floor
+            ctx = sum(max(0, p + 1 - b.long_ctx_from) for p in step.positions)
+            device = max(b.floor, dram, step.n * b.token_compute)
+            return device + b.layer_sync * len(step.routing) + b.long_ctx_cost * ctx
         ctx = max(0, step.pos + step.n - b.long_ctx_from)
         math = step.n * b.token_compute if step.kind == "prefill" else 0.0
         return max(b.floor, dram) + b.layer_sync * len(step.routing) + math + b.long_ctx_cost * ctx

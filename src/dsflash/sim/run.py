@@ -48,13 +48,14 @@ class Simulator:
         """The untimed test request first, then the timed ones."""
         if self.recorded is not None:
             return self.recorded
-        out = []
-        for i in range(self.prompts + 1):
-            key = (wl.input_len, wl.output_len, i)
-            if key not in self._traces:
-                self._traces[key] = self.routing.request(wl.input_len, wl.output_len, index=i)
-            out.append(self._traces[key])
-        return out
+        return [self.trace(wl, i) for i in range(self.prompts + 1)]
+
+    def trace(self, wl: Workload, i: int) -> RequestTrace:
+        """Synthetic request number i of the workload (0: the untimed test request)."""
+        key = (wl.input_len, wl.output_len, i)
+        if key not in self._traces:
+            self._traces[key] = self.routing.request(wl.input_len, wl.output_len, index=i)
+        return self._traces[key]
 
     def run(self, policy: Policy, wl: Workload | None, box: Box | None = None) -> Result:
         box = box or self.box
@@ -69,6 +70,41 @@ class Simulator:
         cached = wl.input_len - wl.turn_len if reuse else 0
         results = [m.run(r, cached) for r in timed]
         return _summarize(wl.name if wl else "recorded", policy.label(), results, self.layers * self.experts)
+
+
+@dataclass(frozen=True)
+class StreamsResult:
+    """B sequences decoding together: one step's mean seconds, and what a step read."""
+
+    workload: str
+    streams: int
+    step_s: float
+    decode_hit: float
+    experts_per_step: float  # distinct routed experts a step reads, all layers (the union of its sequences')
+
+    @property
+    def aggregate_tok_s(self) -> float:
+        return self.streams / self.step_s
+
+    @property
+    def per_stream_tok_s(self) -> float:
+        return 1.0 / self.step_s
+
+
+def run_streams(sim: Simulator, policy: Policy, wl: Workload, streams: int, box: Box | None = None) -> StreamsResult:
+    """`streams` synthetic requests of the workload decoding at once, after the untimed test request."""
+    box = box or sim.box
+    m = Machine(box, policy, sim.hot_order, sim.experts, seed=sim.locality.seed)
+    m.run(sim.trace(wl, 0))
+    r = m.run_streams([sim.trace(wl, 1 + i) for i in range(streams)])
+    steps = len(r.tpots)
+    return StreamsResult(
+        wl.name,
+        streams,
+        step_s=float(np.mean(r.tpots)),
+        decode_hit=1 - r.decode_misses / r.decode_accesses if r.decode_accesses else float("nan"),
+        experts_per_step=r.decode_accesses / steps if steps else 0.0,
+    )
 
 
 def _summarize(name: str, label: str, rs: list[RequestResult], n_experts: int) -> Result:

@@ -22,6 +22,7 @@ class Step:
     pos: int
     n: int
     routing: list[np.ndarray]
+    positions: list[int] | None = None  # a batched decode step: each sequence's position (n of them)
 
 
 @dataclass

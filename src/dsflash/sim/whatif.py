@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsflash.sim.box import BASELINE, GB, MEASURED, WORKLOADS, Box, Policy, Workload
-from dsflash.sim.run import Result, Simulator
+from dsflash.sim.run import Result, Simulator, StreamsResult, run_streams
 
 
 @dataclass(frozen=True)
@@ -101,3 +101,34 @@ def what_if_markdown(table: list[tuple[Lever, list[Result]]]) -> str:
 
 def _secs(s: float) -> str:
     return f"{s:,.0f} s" if s >= 100 else f"{s:.1f} s"
+
+
+STREAMS = (1, 2, 4, 8)
+
+
+def concurrency(sim: Simulator, workloads: list[Workload], streams=STREAMS, policy: Policy = BASELINE,
+                progress: Callable[[str], None] = lambda s: None) -> list[StreamsResult]:  # fmt: skip
+    """Each workload decoding 1, 2, 4, 8 (`streams`) sequences at once on the box."""
+    rows = []
+    for wl in workloads:
+        for b in streams:
+            progress(f"concurrency: {wl.name}: {b} stream(s)")
+            rows.append(run_streams(sim, policy, wl, b))
+    return rows
+
+
+def concurrency_markdown(rows: list[StreamsResult]) -> str:
+    """Aggregate and per-stream decode tok/s by streams, with the factor against one stream."""
+    one = {r.workload: r for r in rows if r.streams == 1}
+    out = ["| workload | streams | aggregate decode | per stream | experts read per step | decode slot hits |",
+           "|---|---|---|---|---|---|"]  # fmt: skip
+
+    def cell(value: float, base: float | None) -> str:
+        return f"{value:.2f} tok/s" + (f" ({value / base:.2f}x)" if base else "")
+
+    for r in rows:
+        base = one.get(r.workload)
+        agg = cell(r.aggregate_tok_s, base and base.aggregate_tok_s)
+        per = cell(r.per_stream_tok_s, base and base.per_stream_tok_s)
+        out.append(f"| {r.workload} | {r.streams} | {agg} | {per} | {r.experts_per_step:.0f} | {r.decode_hit:.1%} |")
+    return "\n".join(out)
