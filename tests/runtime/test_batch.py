@@ -153,12 +153,30 @@ def test_batched_sequences_equal_their_solo_runs(files, tmp_path_factory, tp):
             assert (_tokens(events), [e.finish_reason for e in events]) == (tokens, reasons), i
             if i != 1:  # a sampled sequence's rows follow its own tokens: compared through them
                 _assert_rows_match(rec.rows, i, rows)
+        if tp == 2:
+            _fork_copies_the_prompt_on_every_rank(rec, requests[0], want[0][0])
         if tp == 1:
             _cancel_and_fail(rec, requests, want)
             _close_while_decoding(rec, requests[0])
             _prefix_restores_into_each_slot(rec, runner, spec, requests, solo)
     finally:
         runner.close()
+
+
+def _fork_copies_the_prompt_on_every_rank(rec, request, want):
+    """Three sequences of one request (tests/runtime/test_fork.py at TP 1): the siblings' slots never run the prompt,
+    and each gives the request's tokens alone."""
+    rec.rows = {}
+    engine = BatchEngine(rec, EOS, prefill_chunk=CHUNK).start()
+    got: list[list[int]] = [[], [], []]
+    try:
+        for i, e in engine.submit_n(request, [request.params] * 3):
+            if e.token is not None:
+                got[i].append(e.token)
+    finally:
+        engine.close()
+    assert got == [want] * 3
+    assert not [pos for slot, pos in rec.rows if slot and pos < len(request.prompt)]
 
 
 def _cancel_and_fail(rec, requests, want):

@@ -1,6 +1,7 @@
 """n sequences of one prompt (BatchEngine.submit_n): the prompt is prefilled once and every sequence continues a
-copy of its state; each gives the tokens the same request gives alone with its own seed, batched (3 slots) or one
-after another (1 slot); cancelling the request ends every sequence, and one failing fails the request."""
+copy of its state (at TP 2: tests/runtime/test_batch.py); each gives the tokens the same request gives alone with
+its own seed, batched (3 slots) or one after another (1 slot); a runner that cannot copy states has each prefill the
+prompt, with the same tokens; cancelling the request ends every sequence, and one failing fails the request."""
 
 from __future__ import annotations
 
@@ -46,11 +47,15 @@ class Failing(BatchEngine):
         super()._emit(seq)
 
 
+def _start(tmp_path_factory, tp: int):
+    files = open_dir(ROOT / "tiny_a" / "model")
+    spec = EngineSpec(tp=tp, cache_dir=str(tmp_path_factory.mktemp("stores")), max_num_seqs=3)
+    return start_engine(files.ckpt, files.token_map, 128, spec)
+
+
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
-    files = open_dir(ROOT / "tiny_a" / "model")
-    spec = EngineSpec(tp=1, cache_dir=str(tmp_path_factory.mktemp("stores")), max_num_seqs=3)
-    r = start_engine(files.ckpt, files.token_map, 128, spec)
+    r = _start(tmp_path_factory, 1)
     yield r
     r.close()
 
@@ -67,10 +72,12 @@ def _solo(runner, params: list[SamplingParams]) -> list[list[int]]:
         engine.close()
 
 
-def _forked(runner, params, slots: int, engine_cls=BatchEngine, cancel_after: int | None = None):
+def _forked(runner, params, slots: int, engine_cls=BatchEngine, cancel_after: int | None = None, fork=True):
     """-> (tokens of each sequence, finish reasons, prompt tokens computed, the error raised or None)."""
     counting = Counting(runner, slots)
-    engine = engine_cls(counting, EOS, prefill_chunk=CHUNK).start()
+    engine = engine_cls(counting, EOS, prefill_chunk=CHUNK)
+    engine.can_fork = fork
+    engine.start()
     tokens, reasons, error = [[] for _ in params], [None] * len(params), None
     try:
         fork = engine.submit_n(GenerationRequest(PROMPT, params[0]), params)
@@ -101,6 +108,8 @@ def test_sequences_share_one_prefill_and_answer_as_alone(runner):
         assert tokens == [want_greedy] * 3 and reasons == ["length"] * 3, slots
         assert prefilled == len(PROMPT), slots  # the prompt once, never per sequence
     assert _forked(runner, seeded, 3)[0] == want_seeded
+    tokens, _, prefilled, _ = _forked(runner, greedy, 3, fork=False)
+    assert tokens == [want_greedy] * 3 and prefilled == 3 * len(PROMPT)
 
 
 def test_cancel_ends_every_sequence_and_a_failure_fails_the_request(runner):
