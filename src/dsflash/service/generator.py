@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -208,7 +208,7 @@ class Generator:
     def stream(self, req: ChatRequest | CompletionRequest) -> Iterator[Delta]:
         return iter(self.open_chat(req) if isinstance(req, ChatRequest) else self.open_completion(req))
 
-    def _submit(self, ids, opts: GenerationOptions, pipe, request_id, t0: float, param: str,
+    def _submit(self, ids, opts: GenerationOptions, pipe: Callable[[], _Pipeline], request_id, t0: float, param: str,
                 salt: str | None = None, constraint: Grammar | None = None) -> Stream:  # fmt: skip
         n = len(ids)
         if n >= self.max_len:
@@ -220,10 +220,10 @@ class Generator:
                 f"(at most {self.max_len - n} fit)",
                 param="max_tokens",
             )
-        # the engine scores the prompt once, with the most alternatives anyone here wants
-        echo = pipe().echo
-        wants = [k for k in (opts.logprobs if echo else None, opts.prompt_logprobs) if k is not None]
         total = max(opts.n, opts.best_of or 0)
+        pipes = [pipe() for _ in range(total)]  # one text pipeline a sequence
+        # the engine scores the prompt once, with the most alternatives anyone here wants
+        wants = [k for k in (opts.logprobs if pipes[0].echo else None, opts.prompt_logprobs) if k is not None]
         # best_of ranks the sequences by their tokens' cumulative logprob: the sampler must report each one's
         ranked = total > opts.n
         prompt_lp = max(wants) if wants else None
@@ -257,7 +257,7 @@ class Generator:
         except Overloaded as e:  # the queue filled between admission and now
             raise Overloaded(str(e), retry_after=self.expected_wait()) from None
         stats = RequestStats(request.request_id, prompt_tokens=n)
-        return Stream(self, source, ids, [pipe() for _ in range(total)], stats, t0)
+        return Stream(self, source, ids, pipes, stats, t0)
 
 
 class _Single:
