@@ -48,15 +48,19 @@ class Machine:
         self._rng = np.random.default_rng(self.seed + 7919)
 
     def run_streams(self, traces: list[RequestTrace]) -> RequestResult:
-        """B requests at once: their prompts prefilled one after another (not timed), then decode steps that advance
-        every sequence by one token -> the decode steps' seconds (tpots) and slot counts."""
+        """B requests at once: their prompts prefilled one after another (not timed; a prompt routed as one before
+        it is not run again), then decode steps that advance every sequence by one token -> the decode steps'
+        seconds (tpots) and slot counts."""
         res = RequestResult(0.0, [])
-        decodes = []
+        decodes, warmed = [], []
         for tr in traces:
             steps = list(tr.steps(self.box.prefill_chunk, self.policy.expert_major))
-            for step in steps:
-                if step.kind == "prefill":
-                    self._step(step, tr, res)
+            prompt = None if tr.ids is None else tr.ids[: tr.prompt_len]
+            if prompt is None or not any(np.array_equal(prompt, w) for w in warmed):
+                for step in steps:
+                    if step.kind == "prefill":
+                        self._step(step, tr, res)
+                warmed.append(prompt)
             decodes.append([s for s in steps if s.kind == "decode"])
         res.prefill_misses = res.decode_misses = res.decode_accesses = 0
         for k in range(min(len(d) for d in decodes)):

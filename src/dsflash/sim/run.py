@@ -96,7 +96,7 @@ def run_streams(sim: Simulator, policy: Policy, wl: Workload, streams: int, box:
     box = box or sim.box
     m = Machine(box, policy, sim.hot_order, sim.experts, seed=sim.locality.seed)
     m.run(sim.trace(wl, 0))
-    r = m.run_streams([sim.trace(wl, 1 + i) for i in range(streams)])
+    r = m.run_streams([_stream_trace(sim, wl, i) for i in range(streams)])
     steps = len(r.tpots)
     return StreamsResult(
         wl.name,
@@ -105,6 +105,18 @@ def run_streams(sim: Simulator, policy: Policy, wl: Workload, streams: int, box:
         decode_hit=1 - r.decode_misses / r.decode_accesses if r.decode_accesses else float("nan"),
         experts_per_step=r.decode_accesses / steps if steps else 0.0,
     )
+
+
+def _stream_trace(sim: Simulator, wl: Workload, i: int) -> RequestTrace:
+    """Sequence i of a concurrent batch: the first timed request's prompt routing (drawing and running a 32k-token
+    prompt's routing costs ~30 s, and the prompts only warm the slots here) followed by its own generated tokens'
+    routing."""
+    base = sim.trace(wl, 1)
+    if i == 0 or base.ids is None:
+        return base
+    own = sim.routing.request(0, wl.output_len, index=10_000 + i)
+    ids = np.concatenate([base.ids[: base.prompt_len], own.ids])
+    return RequestTrace(base.prompt_len, wl.output_len, ids=ids, weights=own.weights)
 
 
 def _summarize(name: str, label: str, rs: list[RequestResult], n_experts: int) -> Result:
