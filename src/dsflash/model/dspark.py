@@ -130,3 +130,96 @@ def draft(
         out[:, i + 1] = sample(logits[:, i])
     confidence = last.confidence_head(y, torch.stack(embeds, dim=1))
     return out, logits, confidence
+
+
+@torch.inference_mode()
+def seed(model, stages: nn.ModuleList, main_hidden: torch.Tensor, start_pos: int, state, qat: bool = True) -> None:
+    """Write the target context of positions start_pos.. (its taps main_hidden [b, s, n*d]) into every stage's
+    window, drafting nothing: what each consumed position leaves for later drafts."""
+    first = stages[0]
+    main_x = first.main_norm(first.main_proj(main_hidden))
+    s = main_hidden.shape[1]
+    step = Step(start_pos, s, state, qat, torch.arange(start_pos, start_pos + s, device=main_hidden.device))
+    for stage in stages:
+        stage.attn.seed(main_x, step)
+
+
+def draft_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """float64 probabilities [V] of logits [V] after the sampler's filters in its order (temperature, top_k, min_p
+    relative to the most likely, top_p): the same function gives the draft's q and the target's p."""
+    x = logits.detach().to("cpu", torch.float64) / temperature
+    e = torch.exp(x - x.max())
+    if not bool(torch.isfinite(e).all()) or not float(e.sum()) > 0:
+        raise ValueError("no token can be drawn: the logits are not finite")
+    if 0 < top_k < e.shape[0]:
+        e = torch.where(e >= e.topk(top_k).values[-1], e, 0.0)
+    if min_p > 0:
+        e = torch.where(e >= min_p, e, 0.0)
+    if top_p < 1:
+        v, order = e.sort(descending=True, stable=True)
+        before = v.cumsum(0) - v
+        drop = before >= top_p * float(e.sum())
+        drop[0] = False  # the most likely always stays
+        e = e.clone()
+        e[order[drop]] = 0.0
+    return e / e.sum()
+
+
+def draft_sampler(temperature: float, top_k: int, top_p: float, min_p: float, seed: int):
+    """The draws inside a draft: greedy at temperature ~0 (or top_k 1), else from draft_probs with a generator of
+    this seed (every rank draws the same tokens from the same gathered logits)."""
+    if temperature < 1e-5 or top_k == 1:
+        return greedy
+    g = torch.Generator().manual_seed(seed)
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        rows = [torch.multinomial(draft_probs(row, temperature, top_k, top_p, min_p), 1, generator=g) for row in logits]
+        return torch.cat(rows).to(logits.device)
+
+    return sample
+
+
+class Speculation:
+    """One rank's side of speculative decoding for its selected sequence: every forward seeds the DSpark windows
+    with the positions it consumed; a verify's positions are seeded only once accepted, and its state mark lets
+    accept() drop the rejected ones exactly."""
+
+    def __init__(self, model, experts):
+        self.model, self.experts = model, experts
+        self.tap, self.tap_pos = None, -1  # taps of the last consumed position (drafts start from it)
+        self.mark = self.taps = None
+
+    def reset(self) -> None:
+        self.tap, self.tap_pos, self.mark, self.taps = None, -1, None, None
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, state, last_only: bool = False, verify: bool = False):
+        self.mark = state.mark(start_pos, tokens.shape[1]) if verify else None
+        logits, taps = self.model(tokens, start_pos, state, self.experts, last_only=last_only, taps=True)
+        if verify:
+            self.taps = taps
+        else:
+            self._seed(taps, start_pos, state)
+        return logits
+
+    def accept(self, state, n_keep: int) -> None:
+        """Keep the first n_keep positions of the last verify (at least its first, the token it continued with)."""
+        if self.mark is None:
+            raise ValueError("accept() without a verify")
+        start = self.mark.start
+        state.rollback(self.mark, start + n_keep)
+        self._seed(self.taps[:, :n_keep], start, state)
+        self.mark = self.taps = None
+
+    def draft(self, token: int, pos: int, k: int, state, sample=greedy):
+        """Up to k draft tokens after `token` at position pos -> (ids [k], logits [k, V]), or None where no draft can
+        start (the last consumed position is not pos - 1, or it is position 0: the head drafts after a decode)."""
+        if self.tap is None or self.tap_pos != pos - 1 or pos < 2:
+            return None
+        device = self.tap.device
+        out = self.model.draft(torch.tensor([token], device=device), self.tap, pos - 1, state, self.experts, sample)
+        ids, logits, _ = out
+        return ids[0, 1 : k + 1], logits[0, :k]
+
+    def _seed(self, taps: torch.Tensor, start_pos: int, state) -> None:
+        seed(self.model, self.model.mtp, taps, start_pos, state, self.model.qat)
+        self.tap, self.tap_pos = taps[:, -1:], start_pos + taps.shape[1] - 1
