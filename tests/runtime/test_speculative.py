@@ -215,3 +215,28 @@ def test_speculation_refuses_batches_and_bad_counts():
     with pytest.raises(ValueError, match="drafts 1..4"):
         Engine(ModelRunner(case.ref, 64, speculative=True), eos_ids=set(), num_speculative_tokens=5)
     assert draft_sampler(0.0, 0, 1.0, 0.0, 0) is not draft_sampler(1.0, 0, 1.0, 0.0, 0)
+
+
+def test_tp2_speculation_is_plain_decoding(tmp_path):
+    """Two gloo ranks draft, verify and roll back together: greedy output with speculation (every step drafting)
+    equals plain decoding on the same ranks."""
+    from dsflash.runtime.tp.launch import start_engine
+    from tests.model.conftest import ROOT
+
+    files = open_dir(ROOT / "tiny_a" / "model")
+    spec = EngineSpec(tp=2, expert_format="bfp8_b", cache_dir=str(tmp_path), speculative="dspark", prefix_cache=False)
+    runner = start_engine(files.ckpt, files.token_map, 96, spec)
+    try:
+        prompt = list(range(7, 30))
+        plain = Engine(runner, eos_ids=set()).start()
+        want = [e.token for e in _run(plain, prompt, max_tokens=12)]
+        plain.close()
+        fast = Engine(runner, eos_ids=set(), num_speculative_tokens=0)
+        fast.costs = AlwaysDraft()
+        fast.start()
+        got = [e.token for e in _run(fast, prompt, max_tokens=12)]
+        stats = fast.speculative_stats()
+        fast.close()
+    finally:
+        runner.close()
+    assert got == want and stats["spec_verifies"] >= 4
