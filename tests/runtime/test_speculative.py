@@ -146,13 +146,13 @@ def test_sampled_speculation_keeps_the_target_distribution():
     prompt = case.tokens[:20]
     last = r.forward(prompt, 0, False)[-1]
     token = int(last.argmax())
-    params = SamplingParams(temperature=1.5, top_k=6, seed=3, max_tokens=8)
-    _, qlogits = r.draft(token, len(prompt), 1, (0.0, 0, 1.0, 0.0, 0))
+    params = SamplingParams(temperature=1.5, top_k=6, seed=None, max_tokens=8)
+    _, qlogits = r.draft(token, len(prompt), 1, (0.0, 0, 1.0, 0.0, 0, -1))
     logits = r.verify([token, 5], len(prompt))
     p = draft_probs(logits[0], params.temperature, params.top_k, params.top_p, params.min_p).numpy()
     q = draft_probs(qlogits[0], params.temperature, params.top_k, params.top_p, params.min_p)
     assert float((q.numpy() - p).clip(0).sum()) > 0.2  # a random head: many drafts are rejected
-    sampler, draws, g = Sampler(params), 2_000, torch.Generator().manual_seed(11)
+    sampler, draws, g = Sampler(SamplingParams(temperature=1.5, top_k=6, seed=3)), 2_000, torch.Generator().manual_seed(11)
     counts = np.zeros(p.shape[0])
     for _ in range(draws):
         d = int(torch.multinomial(q, 1, generator=g))
@@ -165,19 +165,42 @@ def test_sampled_speculation_keeps_the_target_distribution():
     assert chi2 < 25.0, (chi2, counts[support], expected)  # 5 degrees of freedom: p < 1e-4 by chance
 
 
-def test_seeded_speculative_sampling_reproduces():
+class NeverPays(speculative.Costs):
+    def pays(self, k, accepted):
+        return False
+
+
+def test_seeded_speculative_sampling_reproduces_whatever_the_guard_decides():
+    """A seed fixes the tokens: drafting at every step or only at the guard's probes gives the same output (the
+    coupled draws), and another seed gives another."""
     case = open_case("tiny_b")
-    spec = Engine(ModelRunner(case.ref, 128, speculative=True), eos_ids=set(), num_speculative_tokens=0)
-    spec.costs = AlwaysDraft()
-    spec.start()
+    spec = Engine(ModelRunner(case.ref, 128, speculative=True), eos_ids=set(), num_speculative_tokens=0).start()
     try:
         kw = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 10, "seed": 5}
-        a, b = _run(spec, case.tokens[:15], **kw), _run(spec, case.tokens[:15], **kw)
-        assert [e.token for e in a] == [e.token for e in b]
-        assert [e.token for e in _run(spec, case.tokens[:15], **{**kw, "seed": 6})] != [e.token for e in a]
-        assert spec.speculative_stats()["spec_verifies"] > 4
+        spec.costs = AlwaysDraft()
+        a = [e.token for e in _run(spec, case.tokens[:15], **kw)]
+        verifies = spec.speculative_stats()["spec_verifies"]
+        spec.costs = NeverPays()
+        assert [e.token for e in _run(spec, case.tokens[:15], **kw)] == a
+        assert verifies >= 4 and spec.speculative_stats()["spec_verifies"] - verifies <= 2
+        assert [e.token for e in _run(spec, case.tokens[:15], **{**kw, "seed": 6})] != a
     finally:
         spec.close()
+
+
+def test_coupled_draws_follow_the_target_distribution():
+    """The seeded draw argmax(log p + Gumbel(seed, position)) over 2k seeds is distributed as p (chi-square)."""
+    torch.manual_seed(0)
+    logits = torch.randn(300) * 2
+    params = SamplingParams(temperature=0.9, top_k=6, seed=0)
+    p = draft_probs(logits, 0.9, 6, 1.0, 0.0).numpy()
+    counts = np.zeros(p.shape[0])
+    for seed in range(2_000):
+        counts[speculative._coupled(SamplingParams(temperature=0.9, top_k=6, seed=seed), logits, 3)] += 1
+    support = p > 0
+    assert counts[~support].sum() == 0 and params.seed == 0
+    expected = p[support] * 2_000
+    assert float(((counts[support] - expected) ** 2 / expected).sum()) < 25.0
 
 
 def test_guard_turns_a_useless_head_off():
@@ -215,6 +238,7 @@ def test_speculation_refuses_batches_and_bad_counts():
     with pytest.raises(ValueError, match="drafts 1..4"):
         Engine(ModelRunner(case.ref, 64, speculative=True), eos_ids=set(), num_speculative_tokens=5)
     assert draft_sampler(0.0, 0, 1.0, 0.0, 0) is not draft_sampler(1.0, 0, 1.0, 0.0, 0)
+    assert draft_sampler(0.0, 0, 1.0, 0.0, 0, 3) is draft_sampler(0.5, 1, 1.0, 0.0, 0)  # greedy either way
 
 
 def test_tp2_speculation_is_plain_decoding(tmp_path):

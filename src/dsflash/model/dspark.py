@@ -165,32 +165,55 @@ def draft_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return e / e.sum()
 
 
-def draft_sampler(temperature: float, top_k: int, top_p: float, min_p: float, seed: int):
-    """The draws inside a draft: greedy at temperature ~0 (or top_k 1), else from draft_probs with a generator of
-    this seed (every rank draws the same tokens from the same gathered logits)."""
+def gumbel(seed: int, index: int, vocab: int) -> torch.Tensor:
+    """float64 Gumbel noise [V] of generated token `index` of a request seeded `seed`: the same on every rank and
+    every run, whoever draws that position (a plain step, a draft, a verify)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 62))
+    return -torch.log(-torch.log(torch.rand(vocab, dtype=torch.float64, generator=g).clamp_min(1e-300)))
+
+
+def coupled_pick(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """argmax(log p + Gumbel): a draw from p (Gumbel-max) fixed by the noise."""
+    return int((probs.log() + noise).argmax())
+
+
+def draft_sampler(temperature: float, top_k: int, top_p: float, min_p: float, seed: int, index: int = -1):
+    """The draws inside a draft: greedy at temperature ~0 (or top_k 1); else from draft_probs, with the Gumbel noise
+    of generated positions index, index + 1, ... (index >= 0: coupled with the target's draws there), or with a
+    generator of this seed (index -1). Every rank draws the same tokens from the same gathered logits."""
     if temperature < 1e-5 or top_k == 1:
         return greedy
-    g = torch.Generator().manual_seed(seed)
+    g, at = torch.Generator().manual_seed(seed), [index]
 
     def sample(logits: torch.Tensor) -> torch.Tensor:
-        rows = [torch.multinomial(draft_probs(row, temperature, top_k, top_p, min_p), 1, generator=g) for row in logits]
+        rows = []
+        for row in logits:
+            p = draft_probs(row, temperature, top_k, top_p, min_p)
+            if index >= 0:
+                rows.append(torch.tensor([coupled_pick(p, gumbel(seed, at[0], p.shape[0]))]))
+                at[0] += 1
+            else:
+                rows.append(torch.multinomial(p, 1, generator=g))
         return torch.cat(rows).to(logits.device)
 
     return sample
 
 
 class Speculation:
-    """One rank's side of speculative decoding for its selected sequence: every forward seeds the DSpark windows
-    with the positions it consumed; a verify's positions are seeded only once accepted, and its state mark lets
-    accept() drop the rejected ones exactly."""
+    """One rank's side of speculative decoding for its selected sequence. Every consumed position's taps are kept
+    (the last W of them) and written into the DSpark windows in one batch just before the next draft: while the
+    guard has drafting off, plain steps pay no seeding. A verify's positions count only once accepted, and its
+    state mark lets accept() drop the rejected ones exactly."""
 
     def __init__(self, model, experts):
         self.model, self.experts = model, experts
-        self.tap, self.tap_pos = None, -1  # taps of the last consumed position (drafts start from it)
-        self.mark = self.taps = None
+        self.window = model.cfg.sliding_window
+        self.reset()
 
     def reset(self) -> None:
-        self.tap, self.tap_pos, self.mark, self.taps = None, -1, None, None
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, taps [1, s, n*d]) not yet seeded
+        self.tap_pos = -1  # the last consumed position (drafts start after it)
+        self.mark = self.taps = None
 
     def forward(self, tokens: torch.Tensor, start_pos: int, state, last_only: bool = False, verify: bool = False):
         self.mark = state.mark(start_pos, tokens.shape[1]) if verify else None
@@ -198,7 +221,7 @@ class Speculation:
         if verify:
             self.taps = taps
         else:
-            self._seed(taps, start_pos, state)
+            self._consumed(taps, start_pos)
         return logits
 
     def accept(self, state, n_keep: int) -> None:
@@ -207,19 +230,32 @@ class Speculation:
             raise ValueError("accept() without a verify")
         start = self.mark.start
         state.rollback(self.mark, start + n_keep)
-        self._seed(self.taps[:, :n_keep], start, state)
+        self._consumed(self.taps[:, :n_keep], start)
         self.mark = self.taps = None
 
     def draft(self, token: int, pos: int, k: int, state, sample=greedy):
         """Up to k draft tokens after `token` at position pos -> (ids [k], logits [k, V]), or None where no draft can
         start (the last consumed position is not pos - 1, or it is position 0: the head drafts after a decode)."""
-        if self.tap is None or self.tap_pos != pos - 1 or pos < 2:
+        if not self.pending or self.tap_pos != pos - 1 or pos < 2:
             return None
-        device = self.tap.device
-        out = self.model.draft(torch.tensor([token], device=device), self.tap, pos - 1, state, self.experts, sample)
+        first, taps = self.pending[0][0], torch.cat([t for _, t in self.pending], dim=1)
+        if taps.shape[1] > 1:  # the last position is seeded by the draft itself
+            seed(self.model, self.model.mtp, taps[:, :-1], first, state, self.model.qat)
+        self.pending = [(pos - 1, taps[:, -1:])]
+        out = self.model.draft(torch.tensor([token], device=taps.device), taps[:, -1:], pos - 1, state, self.experts,
+                               sample)  # fmt: skip
         ids, logits, _ = out
         return ids[0, 1 : k + 1], logits[0, :k]
 
-    def _seed(self, taps: torch.Tensor, start_pos: int, state) -> None:
-        seed(self.model, self.model.mtp, taps, start_pos, state, self.model.qat)
-        self.tap, self.tap_pos = taps[:, -1:], start_pos + taps.shape[1] - 1
+    def _consumed(self, taps: torch.Tensor, start_pos: int) -> None:
+        if self.tap_pos != start_pos - 1:  # a new sequence, or one restored from a snapshot: older taps are not its
+            self.pending = []
+        n = taps.shape[1]
+        self.pending.append((start_pos + max(0, n - self.window), taps[:, -self.window :]))
+        self.tap_pos = start_pos + n - 1
+        while sum(t.shape[1] for _, t in self.pending) - self.pending[0][1].shape[1] >= self.window:
+            self.pending.pop(0)  # wholly older than the window
+        p0, t0 = self.pending[0]
+        keep = self.tap_pos + 1 - self.window  # the window's first position
+        if p0 < keep:
+            self.pending[0] = (keep, t0[:, keep - p0 :])

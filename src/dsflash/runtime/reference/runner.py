@@ -48,7 +48,7 @@ class ModelRunner:
         return self.model.cfg.dspark_block_size
 
     def draft(self, token: int, pos: int, k: int, sampling: tuple) -> tuple[list[int], torch.Tensor] | None:
-        """sampling: (temperature, top_k, top_p, min_p, seed) of the draws inside the draft."""
+        """sampling: (temperature, top_k, top_p, min_p, seed, index) of the draws inside the draft."""
         out = self.speculation.draft(token, pos, k, self.state, draft_sampler(*sampling))
         return None if out is None else (out[0].tolist(), out[1])
 

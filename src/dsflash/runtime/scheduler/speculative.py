@@ -1,9 +1,13 @@
 """Speculative decoding with the model's DSpark head (issue 26): draft K tokens, verify them in one target forward
 of K+1 positions, keep the longest accepted prefix plus the target's next token, roll the rest back.
 
-Greedy output is the plain engine's (a draft is kept only where it is the target's argmax); with temperature > 0
-standard speculative sampling keeps the target distribution (accept with min(1, p/q), else draw from the
-normalised residual max(0, p - q)), every draw from the request's own seeded generator.
+Greedy output is the plain engine's (a draft is kept only where it is the target's argmax). With temperature > 0
+and no seed, standard speculative sampling keeps the target distribution (accept with min(1, p/q), else draw from
+the normalised residual max(0, p - q)). With a seed, the guard's decisions (which depend on this machine's timings)
+must not change the tokens: every generated position i draws argmax(log p + G_i) with Gumbel noise G_i fixed by
+(seed, i) (Gumbel-max: exactly a draw from p), the draft draws its tokens with the same noise, and a draft is kept
+where it equals the target's draw. The output is then a function of the seed and the model alone, drafted or not
+(it differs from the same seed with speculation off, whose sampler draws by inverse CDF).
 
 The guard: per sequence an EMA of the drafts accepted per verify, and per engine the measured cost of a verify
 against a plain step. Drafting stops when (accepted + 1) / verify cost < 1 / plain cost, then re-probes after 8,
@@ -18,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsflash.model.dspark import draft_probs
+from dsflash.model.dspark import coupled_pick, draft_probs, gumbel
 from dsflash.runtime.scheduler.queue import StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import Sample, Sampler, top_logprobs
 
@@ -111,7 +115,15 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
             engine._save(req, req.prompt)
         return done is not None
 
-    first = sampler(last)
+    coupled = not params.greedy and params.seed is not None
+
+    def draw(logits: torch.Tensor) -> Sample:
+        """The token at generated position `index` (the next one emitted), as the verify or a plain step sees it."""
+        if not coupled or params.constraint is not None or sampler.sampled < params.min_tokens:
+            return sampler(logits)
+        return _sample(sampler, params, logits, _coupled(params, logits, sampler.sampled))
+
+    first = draw(last)
     if emit(first, stats):
         return
     token, pos = first.token, len(req.prompt)  # sampled, not yet consumed
@@ -119,11 +131,17 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
         if handle.cancelled:
             return engine._finish(handle, TokenEvent(None, index, finish_reason="cancelled"))
         k = min(engine.speculative.k, params.max_tokens - index - 1)  # never compute past max_tokens
+        # a constraint's state cannot be rolled back; min_tokens holds EOS back, which p would have to know; a plain
+        # step is measured before the first draft (the guard compares against it)
         drafting = (
-            k >= 1 and not guard.off and params.constraint is None and sampler.sampled >= params.min_tokens
-        )  # a constraint's state cannot be rolled back; min_tokens holds EOS back, which p would have to know
+            k >= 1
+            and not guard.off
+            and engine.costs.plain is not None
+            and params.constraint is None
+            and sampler.sampled >= params.min_tokens
+        )
         t = time.perf_counter()
-        drafted = runner.draft(token, pos, k, _draw_params(params, sampler)) if drafting else None
+        drafted = runner.draft(token, pos, k, _draw_params(params, sampler, coupled)) if drafting else None
         if drafted is None:
             logits = runner.forward([token], pos, False)[-1]
             fed.append(token)
@@ -135,14 +153,14 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
                 counters["spec_guard_off_s"] += elapsed
             guard.plain_step()
             step_stats = StepStats(experts_start, runner.counters(), step_s=elapsed)
-            s = sampler(logits)
+            s = draw(logits)
             if emit(s, step_stats):
                 return
             token = s.token
             continue
         ids, qlogits = drafted
         logits = runner.verify([token, *ids], pos)
-        out = _accept(sampler, params, ids, qlogits, logits)
+        out = _accept(sampler, params, ids, qlogits, logits, draw if coupled else None)
         n = len(out) - 1  # drafts kept
         runner.accept(n + 1)
         fed += [token, *ids[:n]]
@@ -160,20 +178,35 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
         token = out[-1].token
 
 
-def _draw_params(params, sampler: Sampler) -> tuple:
-    """(temperature, top_k, top_p, min_p, seed) of the draft's draws; the seed from the request's generator."""
+SEED_MOD = 1 << 52  # seeds travel to the ranks as float64
+
+
+def _draw_params(params, sampler: Sampler, coupled: bool) -> tuple:
+    """(temperature, top_k, top_p, min_p, seed, index) of the draft's draws: coupled, the request's seed and the
+    first drafted token's generated position (the token being verified is at sampler.sampled - 1); else a seed
+    from the request's generator and index -1."""
     if params.greedy:
-        return (0.0, 0, 1.0, 0.0, 0)
-    return (params.temperature, params.top_k, params.top_p, params.min_p, int(sampler.rng.integers(2**52)))
+        return (0.0, 0, 1.0, 0.0, 0, -1)
+    f = (params.temperature, params.top_k, params.top_p, params.min_p)
+    if coupled:
+        return (*f, params.seed % SEED_MOD, sampler.sampled)
+    return (*f, int(sampler.rng.integers(SEED_MOD)), -1)
 
 
-def _accept(sampler: Sampler, params, ids: list[int], qlogits: torch.Tensor, logits: torch.Tensor) -> list[Sample]:
+def _coupled(params, logits: torch.Tensor, index: int) -> int:
+    p = draft_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    return coupled_pick(p, gumbel(params.seed % SEED_MOD, index, p.shape[0]))
+
+
+def _accept(sampler: Sampler, params, ids: list[int], qlogits: torch.Tensor, logits: torch.Tensor,
+            draw=None) -> list[Sample]:  # fmt: skip
     """The tokens a verify emits: the accepted drafts, then the target's own next token (its correction where a
-    draft was rejected). logits [k+1, V]: row j is the target's distribution after the j-th fed token."""
+    draft was rejected). logits [k+1, V]: row j is the target's distribution after the j-th fed token. draw: the
+    coupled draw of a seeded request (its drafts are kept where they equal it), else None."""
     out = []
     for j, d in enumerate(ids):
-        if params.greedy:
-            s = sampler(logits[j])  # the plain engine's draw there, logprobs included
+        if params.greedy or draw is not None:
+            s = sampler(logits[j]) if draw is None else draw(logits[j])  # the plain draw there, logprobs included
             out.append(s)
             if s.token != d:
                 return out
@@ -187,7 +220,7 @@ def _accept(sampler: Sampler, params, ids: list[int], qlogits: torch.Tensor, log
         dist = residual if float(residual.sum()) > 0 else p
         out.append(_sample(sampler, params, logits[j], _pick(dist, sampler.rng.random())))
         return out
-    out.append(sampler(logits[len(ids)]))
+    out.append(sampler(logits[len(ids)]) if draw is None else draw(logits[len(ids)]))
     return out
 
 

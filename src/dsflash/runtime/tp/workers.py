@@ -153,8 +153,8 @@ def follow(rt: RankRuntime) -> None:
             rt.verify(tokens, start_pos)
         elif op == ACCEPT:
             rt.accept(n)
-        elif op == DRAFT:  # op, position, k, token; then the draws' (temperature, top_k, top_p, min_p, seed)
-            sampling = torch.empty(5, dtype=torch.float64)
+        elif op == DRAFT:  # op, position, k, token; then the draws' (temperature, top_k, top_p, min_p, seed, index)
+            sampling = torch.empty(6, dtype=torch.float64)
             dist.broadcast(sampling, src=0)
             rt.draft(last_only, start_pos, n, _sampling(sampling))
         elif op == SELECT:
@@ -173,8 +173,8 @@ def follow(rt: RankRuntime) -> None:
 
 
 def _sampling(t: torch.Tensor) -> tuple:
-    temperature, top_k, top_p, min_p, seed = t.tolist()
-    return temperature, int(top_k), top_p, min_p, int(seed)
+    temperature, top_k, top_p, min_p, seed, index = t.tolist()
+    return temperature, int(top_k), top_p, min_p, int(seed), int(index)
 
 
 def _snapshot(shelf: Shelf, key: int, flags: int, tokens=None, salt: str = "") -> Taken:
