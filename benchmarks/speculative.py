@@ -44,14 +44,12 @@ class HeldOn(speculative.Costs):
         return True
 
 
-def decode_rate(engine, prompts: list[list[int]], tokens: int) -> float:
-    """Decode tokens/s over the prompts (first token to last of each request, greedy, EOS ignored)."""
-    n, seconds = 0, 0.0
-    for p in prompts:
-        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-        times = [time.perf_counter() for e in engine.submit(GenerationRequest(tuple(p), params)) if e.token is not None]
-        n, seconds = n + len(times) - 1, seconds + times[-1] - times[0]
-    return n / seconds
+def decode_time(engine, prompt: list[int], tokens: int) -> tuple[int, float]:
+    """(decode tokens, seconds) of one greedy request: first token to last, EOS ignored."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    handle = engine.submit(GenerationRequest(tuple(prompt), params))
+    times = [time.perf_counter() for e in handle if e.token is not None]
+    return len(times) - 1, times[-1] - times[0]
 
 
 def timed(fn, reps: int) -> float:
@@ -103,21 +101,28 @@ def with_head(name: str, model_dir: Path, args) -> None:
     try:
         row = {"model": name, "k": k, "threads": args.threads}
         row.update(costs(plain_runner, spec_runner, prompts[0], k, args.reps))
-        plain = Engine(plain_runner, eos_ids=set()).start()
-        row["plain_tok_s"] = decode_rate(plain, prompts, args.tokens)
-        plain.close()
-        for label, held in (("guarded", False), ("held_on", True)):
-            eng = Engine(spec_runner, eos_ids=set(), num_speculative_tokens=0)
-            if held:
-                eng.costs = HeldOn()
-            eng.start()
-            row[f"{label}_tok_s"] = decode_rate(eng, prompts, args.tokens)
-            s = eng.speculative_stats()
+        engines = {"plain": Engine(plain_runner, eos_ids=set())}
+        for label in ("guarded", "held_on"):
+            engines[label] = Engine(spec_runner, eos_ids=set(), num_speculative_tokens=0)
+        engines["held_on"].costs = HeldOn()
+        rates = {label: [0, 0.0] for label in engines}
+        for e in engines.values():
+            e.start()
+        for p in prompts:  # interleaved: a shared machine's load drifts alike over all three
+            for label, e in engines.items():
+                n, seconds = decode_time(e, p, args.tokens)
+                rates[label][0] += n
+                rates[label][1] += seconds
+        for label, (n, seconds) in rates.items():
+            row[f"{label}_tok_s"] = n / seconds
+        for label in ("guarded", "held_on"):
+            s = engines[label].speculative_stats()
             row[f"{label}_vs_plain"] = row[f"{label}_tok_s"] / row["plain_tok_s"]
             row[f"{label}_verifies"] = s["spec_verifies"]
             row[f"{label}_mean_accepted"] = s["spec_mean_accepted"]
             row[f"{label}_guard_off_steps"] = s["spec_guard_off_steps"]
-            eng.close()
+        for e in engines.values():
+            e.close()
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     finally:
         plain_runner.close()
@@ -154,7 +159,7 @@ def real_widths(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=64, help="generated tokens per prompt")
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--reps", type=int, default=10, help="repetitions of each timed call")
     ap.add_argument("--threads", type=int, default=1 if os.cpu_count() <= 2 else os.cpu_count())
     ap.add_argument("--skip-real", action="store_true", help="skip the V4.1-width part (a 5.7 GB checkpoint)")

@@ -18,7 +18,6 @@ from dsflash.service.files import open_dir
 from tests.model.conftest import open_case
 
 
-
 class AlwaysDraft(speculative.Costs):
     """Costs under which every verify pays: drafting never stops, so every step exercises accept / reject."""
 
@@ -85,7 +84,9 @@ def test_greedy_speculation_is_plain_decoding(model):
             assert [e.token for e in a] == [e.token for e in b], (name, i)
             assert [e.finish_reason for e in a] == [e.finish_reason for e in b]
             for x, y in zip(a, b, strict=True):
-                assert x.logprob == pytest.approx(y.logprob, abs=1e-4) and [t for t, _ in x.top] == [t for t, _ in y.top]
+                assert x.logprob == pytest.approx(y.logprob, abs=1e-4) and [t for t, _ in x.top] == [
+                    t for t, _ in y.top
+                ]
             plain_tokens = [e.token for e in a]
             stop = plain_tokens[6 + i]
             b = _run(spec, prompt, stop_token_ids=(stop,), max_tokens=12)
@@ -128,12 +129,15 @@ def test_state_after_accepts_and_rejects_is_plain_decodings(name):
         assert got.length == want.length == P + 7
         for i, (la, lb) in enumerate(zip(want.layers, got.layers, strict=True)):
             W, r, n = la.window.shape[1], la.ratio, want.length
-            parts = {"window": [q % W for q in range(max(0, n - W), n)], "compressed": range(n // r),
-                     "index_keys": range(n // r), "pending_kv": range(n % r), "pending_score": range(n % r)}  # fmt: skip
+            held, pend = range(n // r), range(n % r)  # complete groups' rows; the open group's pending tokens
+            parts = {"window": [q % W for q in range(max(0, n - W), n)], "compressed": held, "index_keys": held,
+                     "pending_kv": pend, "pending_score": pend}  # fmt: skip
             for part, rows in parts.items():
                 a, b = getattr(la, part), getattr(lb, part)
                 if a is not None:
-                    torch.testing.assert_close(b[:, list(rows)], a[:, list(rows)], atol=1e-5, rtol=1e-5, msg=f"{i}.{part}")
+                    torch.testing.assert_close(
+                        b[:, list(rows)], a[:, list(rows)], atol=1e-5, rtol=1e-5, msg=f"{i}.{part}"
+                    )
         assert torch.equal(want.engram_history[:, : want.length], got.engram_history[:, : got.length])
 
 
@@ -152,7 +156,11 @@ def test_sampled_speculation_keeps_the_target_distribution():
     p = draft_probs(logits[0], params.temperature, params.top_k, params.top_p, params.min_p).numpy()
     q = draft_probs(qlogits[0], params.temperature, params.top_k, params.top_p, params.min_p)
     assert float((q.numpy() - p).clip(0).sum()) > 0.2  # a random head: many drafts are rejected
-    sampler, draws, g = Sampler(SamplingParams(temperature=1.5, top_k=6, seed=3)), 2_000, torch.Generator().manual_seed(11)
+    sampler, draws, g = (
+        Sampler(SamplingParams(temperature=1.5, top_k=6, seed=3)),
+        2_000,
+        torch.Generator().manual_seed(11),
+    )
     counts = np.zeros(p.shape[0])
     for _ in range(draws):
         d = int(torch.multinomial(q, 1, generator=g))
@@ -224,6 +232,8 @@ def test_guard_turns_a_useless_head_off():
         s = spec.speculative_stats()
         assert s["spec_verifies"] == 3 and s["spec_accepted_tokens"] == 0  # probes at tokens 1, 10, 27
         assert s["spec_guard_off_steps"] == 8 + 16 + 2 and s["spec_guard_off_s"] > 0  # waits 8, 16, then 32
+        _run(spec, case.tokens[5:20], max_tokens=30)  # the next sequence probes once, then waits the 64 steps
+        assert spec.speculative_stats()["spec_verifies"] == 4
     finally:
         spec.close()
 

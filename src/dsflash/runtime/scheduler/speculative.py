@@ -11,9 +11,11 @@ where it equals the target's draw. The output is then a function of the seed and
 
 The guard: per sequence an EMA of the drafts accepted per verify, and per engine the measured cost of a verify
 against a plain step. Drafting stops when (accepted + 1) / verify cost < 1 / plain cost, then re-probes after 8,
-16, ... up to PROBE_MAX plain steps. With a useless head each probe emits one token at the price of a verify, so
-speculation on loses at most (verify / step - 1) per probe: per 64 tokens of a long generation about one probe,
-plus log2(PROBE_MAX / PROBE_FIRST) + 1 probes at the start (docs/performance.md measures it)."""
+16, ... up to PROBE_MAX plain steps; a new sequence probes at its first decode step and then waits as long as the
+last sequence's guard did (a head that did not pay keeps its long waits). With a useless head each probe emits one
+token at the price of a draft and a verify, so the loss is bounded by (draft + verify) / step - 1 per probe: one
+probe per request plus one per PROBE_MAX tokens once the waits are long (plus the first request's doubling: at most
+log2(PROBE_MAX / PROBE_FIRST) more probes). docs/performance.md measures it."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Costs:
 
     plain: float | None = None
     spec: dict[int, float] = field(default_factory=dict)
+    backoff: int = PROBE_FIRST  # plain steps the next failed probe waits (the guards of successive sequences share it)
 
     def add_plain(self, s: float) -> None:
         self.plain = s if self.plain is None else (1 - COST_EMA) * self.plain + COST_EMA * s
@@ -56,7 +59,7 @@ class Guard:
     """One sequence's decision to draft: on until its acceptance no longer pays, then off with probes."""
 
     def __init__(self, costs: Costs):
-        self.costs, self.accepted, self.wait, self.backoff = costs, None, 0, PROBE_FIRST
+        self.costs, self.accepted, self.wait = costs, None, 0
 
     @property
     def off(self) -> bool:
@@ -68,11 +71,12 @@ class Guard:
     def verified(self, k: int, accepted: int) -> None:
         probe = self.accepted is None
         self.accepted = accepted if probe else (1 - EMA) * self.accepted + EMA * accepted
-        if self.costs.pays(k, self.accepted):
-            self.backoff = PROBE_FIRST
+        c = self.costs
+        if c.pays(k, self.accepted):
+            c.backoff = PROBE_FIRST
             return
-        self.wait, self.accepted = self.backoff, None  # the next verify is a probe: judged on its own
-        self.backoff = min(2 * self.backoff, PROBE_MAX)
+        self.wait, self.accepted = c.backoff, None  # the next verify is a probe: judged on its own
+        c.backoff = min(2 * c.backoff, PROBE_MAX)
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ class RankRuntime:
         self.speculation.accept(self.state, n_keep)
 
     def draft(self, token: int, pos: int, k: int, sampling: tuple):
-        """-> (ids [k], logits [k, V]) on every rank, or None; sampling: (temperature, top_k, top_p, min_p, seed, index)."""
+        """-> (ids [k], logits [k, V]) on every rank, or None; sampling: dspark.draft_sampler's arguments."""
         return self.speculation.draft(token, pos, k, self.state, draft_sampler(*sampling))
 
     def counters(self) -> ExpertCounters:
