@@ -76,6 +76,8 @@ class ModelRunner:
         snap = self.shelf.load(key, length, from_disk)
         if snap is not None:
             self.shelf.apply(key, snap, length, keep)
+            if self.speculation is not None:  # the taps it holds are another sequence's
+                self.speculation.reset()
         return snap is not None
 
     def drop(self, key: int, memory: bool, disk: bool) -> None:

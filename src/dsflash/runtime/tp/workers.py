@@ -167,7 +167,7 @@ def follow(rt: RankRuntime) -> None:
         elif op == SNAPSHOT:
             _snapshot(rt.shelf, n, last_only)
         elif op == RESTORE:
-            _restore(rt.shelf, n, start_pos, last_only)
+            _restore(rt.shelf, n, start_pos, last_only, rt.speculation)
         elif op == DROP:
             rt.shelf.drop(n, memory=bool(last_only & MEMORY), disk=bool(last_only & DISK))
 
@@ -186,7 +186,7 @@ def _snapshot(shelf: Shelf, key: int, flags: int, tokens=None, salt: str = "") -
     return Taken(*(int(x) for x in v))
 
 
-def _restore(shelf: Shelf, key: int, length: int, flags: int) -> bool:
+def _restore(shelf: Shelf, key: int, length: int, flags: int, speculation=None) -> bool:
     """Every rank loads and checks its shard; only if all can does any rank's state change."""
     snap = shelf.load(key, length, bool(flags & FROM_DISK))
     ok = torch.tensor([int(snap is not None)], dtype=torch.int64)
@@ -195,6 +195,8 @@ def _restore(shelf: Shelf, key: int, length: int, flags: int) -> bool:
     if not int(ok):
         return False
     shelf.apply(key, snap, length, keep=bool(flags & KEEP))
+    if speculation is not None:  # the taps it holds are another sequence's
+        speculation.reset()
     return True
 
 
@@ -398,7 +400,9 @@ class TPRunner:
 
     def restore(self, key: int, length: int, from_disk: bool, keep: bool) -> bool:
         flags = FROM_DISK * from_disk | KEEP * keep
-        return self._collective(RESTORE, length, key, flags, lambda: _restore(self.rank0.shelf, key, length, flags))
+        return self._collective(
+            RESTORE, length, key, flags, lambda: _restore(self.rank0.shelf, key, length, flags, self.rank0.speculation)
+        )
 
     def drop(self, key: int, memory: bool, disk: bool) -> None:
         flags = MEMORY * memory | DISK * disk
