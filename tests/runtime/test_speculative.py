@@ -274,3 +274,16 @@ def test_tp2_speculation_is_plain_decoding(tmp_path):
     finally:
         runner.close()
     assert got == want and stats["spec_verifies"] >= 4
+
+
+def test_counters_reach_metrics_and_the_bench_reads_them(monkeypatch):
+    """The engine's speculation counters are /metrics gauges (dsflash:spec_*), and dsflash bench parses them."""
+    from dsflash.bench import client
+    from dsflash.bench.run import Target, _speculation
+    from dsflash.server.metrics import Metrics
+
+    stats = {**speculative.stats_keys(), "spec_verifies": 4, "spec_accepted_tokens": 6, "spec_mean_accepted": 1.5}
+    text = Metrics("m", gauges=lambda: stats).render().decode()
+    monkeypatch.setattr(client, "get_text", lambda base, path, headers: text)
+    got = _speculation(Target("http://x", {}, "m", None))
+    assert got["spec_verifies"] == 4 and got["spec_accepted_tokens"] == 6 and got["spec_mean_accepted"] == 1.5
