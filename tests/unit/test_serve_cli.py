@@ -16,7 +16,8 @@ EVERY_FLAG = [
     "--default-chat-template-kwargs", '{"thinking": true}', "--shutdown-grace", "7", "--record-routing", "/tmp/r.jsonl",
     "--enforce-eager", "--max-tokens-default", "100", "--max-tokens-limit", "200", "--no-prefix-cache",
     "--prefix-cache-gb", "0.5", "--prefix-cache-dir", "/tmp/p", "--prefix-cache-disk-gb", "3",
-    "--allowed-origins", "http://a.example", "--allow-long-context",
+    "--allowed-origins", "http://a.example", "--allow-long-context", "--speculative", "dspark",
+    "--num-speculative-tokens", "2",
 ]  # fmt: skip
 NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "run"}  # the key travels in the environment
 

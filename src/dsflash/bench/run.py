@@ -66,7 +66,7 @@ def run(opts: BenchOptions) -> int:
         return lambda: client.send(ep, body, r.prompt_len, rid)
 
     _warm_up(opts, lambda: job(replace(reqs[0], prompt="warm-up " + reqs[0].prompt)))  # shares no prefix
-    experts0 = _experts(target)
+    experts0, spec0 = _experts(target), _speculation(target)
     t0 = time.perf_counter()
     if plan.turns > 1:
         outputs, turn_of = _conversations(opts, plan, ep, extra, reqs, counter)
@@ -75,13 +75,25 @@ def run(opts: BenchOptions) -> int:
         jobs = [job(r, i) for r, i in zip(reqs, client.request_ids(len(reqs)))]
         outputs, turn_of = client.Dispatcher(plan.max_concurrency).run(jobs, arrivals), None
     duration = time.perf_counter() - t0
-    experts1 = _experts(target)
+    experts1, spec1 = _experts(target), _speculation(target)
     failed = [o for o in outputs if not o.success]
     for i, o in enumerate(failed[:10]):
         print(f"Error {i}: {o.error.strip()}", file=sys.stderr)
     result = metrics.calculate(outputs, duration, list(plan.percentiles), lambda s: len(counter.encode(s)))
     if experts0 is not None and experts1 is not None:  # a dsflash server: what the timed requests streamed
         result["experts"] = (experts1 - experts0).to_json()
+    if spec0 and spec1:  # a dsflash server with --speculative: what the timed requests drafted and kept
+        d = {k: spec1[k] - spec0.get(k, 0) for k in spec1}
+        result["speculative"] = {
+            "drafts_proposed": int(d.get("spec_draft_tokens", 0)),
+            "drafts_accepted": int(d.get("spec_accepted_tokens", 0)),
+            "verifies": int(d.get("spec_verifies", 0)),
+            "mean_accepted_per_verify": d["spec_accepted_tokens"] / d["spec_verifies"]
+            if d.get("spec_verifies")
+            else 0.0,
+            "guard_off_steps": int(d.get("spec_guard_off_steps", 0)),
+            "guard_off_s": d.get("spec_guard_off_s", 0.0),
+        }
     if turn_of is not None:
         result.update(metrics.by_turn(outputs, turn_of))
     print(report.console(result, plan.max_concurrency, opts.request_rate, list(plan.metrics), list(plan.percentiles)))
@@ -263,6 +275,17 @@ def _experts(target: Target) -> ExpertCounters | None:
     """The server's expert counters from its /metrics, None where it has none (another engine)."""
     text = client.get_text(target.base, "/metrics", target.headers)
     return ExpertCounters.from_prometheus(text) if text is not None else None
+
+
+def _speculation(target: Target) -> dict[str, float]:
+    """The server's speculative-decoding counters (dsflash:spec_* on /metrics), {} where it has none."""
+    text = client.get_text(target.base, "/metrics", target.headers) or ""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("dsflash:spec_"):
+            name, _, value = line.partition(" ")
+            out[name.split("{", 1)[0].removeprefix("dsflash:")] = float(value.rsplit(" ", 1)[-1])
+    return out
 
 
 def _save(opts: BenchOptions, plan: Plan, target: Target, tokenizer_id: str, result: dict) -> None:

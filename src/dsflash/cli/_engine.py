@@ -80,6 +80,21 @@ def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: 
         "a long prompt is admitted (default: --prefill-chunk + --max-num-seqs)",
     )
     p.add_argument(
+        "--speculative",
+        choices=("dspark",),
+        default=SPEC.speculative,
+        help="speculative decoding: the model's DSpark head drafts tokens that one target forward verifies; greedy "
+        "output and the sampled distribution stay those of plain decoding, and a guard turns drafting off while it "
+        "does not pay (default: off; one sequence at a time, not with --max-num-seqs > 1)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=SPEC.num_speculative_tokens,
+        metavar="K",
+        help="drafts per verify with --speculative (default: the head's block size)",
+    )
+    p.add_argument(
         "--record-routing",
         default=None,
         type=os.path.abspath,  # one absolute file, whichever process (a detached child) opens it
@@ -144,7 +159,7 @@ def engine_spec(args, **fields):
         "cache_dir": args.cache_dir,
         "rebuild_store": args.rebuild,
     }
-    for name in ("prefill_chunk", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("prefill_chunk", "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens"):
         if hasattr(args, name):
             given[name] = getattr(args, name)
     if getattr(args, "record_routing", None):

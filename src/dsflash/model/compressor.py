@@ -40,6 +40,8 @@ class Compressor(nn.Module):
         done = start_pos % r  # tokens of the open group already seen
         kv = torch.cat([st.pending_kv[: x.shape[0], :done], kv], dim=1)
         score = torch.cat([st.pending_score[: x.shape[0], :done], score], dim=1)
+        if st.journal is not None:  # a speculative verify: a rollback rebuilds the pending group from these
+            st.journal.append((start_pos - done, kv, score))
         full = kv.shape[1] // r * r
         st.pending_kv[: x.shape[0], : kv.shape[1] - full] = kv[:, full:]
         st.pending_score[: x.shape[0], : kv.shape[1] - full] = score[:, full:]

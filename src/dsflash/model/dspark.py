@@ -130,3 +130,132 @@ def draft(
         out[:, i + 1] = sample(logits[:, i])
     confidence = last.confidence_head(y, torch.stack(embeds, dim=1))
     return out, logits, confidence
+
+
+@torch.inference_mode()
+def seed(model, stages: nn.ModuleList, main_hidden: torch.Tensor, start_pos: int, state, qat: bool = True) -> None:
+    """Write the target context of positions start_pos.. (its taps main_hidden [b, s, n*d]) into every stage's
+    window, drafting nothing: what each consumed position leaves for later drafts."""
+    first = stages[0]
+    main_x = first.main_norm(first.main_proj(main_hidden))
+    s = main_hidden.shape[1]
+    step = Step(start_pos, s, state, qat, torch.arange(start_pos, start_pos + s, device=main_hidden.device))
+    for stage in stages:
+        stage.attn.seed(main_x, step)
+
+
+def draft_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """float64 probabilities [V] of logits [V] after the sampler's filters in its order (temperature, top_k, min_p
+    relative to the most likely, top_p): the same function gives the draft's q and the target's p."""
+    x = logits.detach().to("cpu", torch.float64) / temperature
+    e = torch.exp(x - x.max())
+    if not bool(torch.isfinite(e).all()) or not float(e.sum()) > 0:
+        raise ValueError("no token can be drawn: the logits are not finite")
+    if 0 < top_k < e.shape[0]:
+        e = torch.where(e >= e.topk(top_k).values[-1], e, 0.0)
+    if min_p > 0:
+        e = torch.where(e >= min_p, e, 0.0)
+    if top_p < 1:
+        v, order = e.sort(descending=True, stable=True)
+        before = v.cumsum(0) - v
+        drop = before >= top_p * float(e.sum())
+        drop[0] = False  # the most likely always stays
+        e = e.clone()
+        e[order[drop]] = 0.0
+    return e / e.sum()
+
+
+def gumbel(seed: int, index: int, vocab: int) -> torch.Tensor:
+    """float64 Gumbel noise [V] of generated token `index` of a request seeded `seed`: the same on every rank and
+    every run, whoever draws that position (a plain step, a draft, a verify)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + index) % (1 << 62))
+    return -torch.log(-torch.log(torch.rand(vocab, dtype=torch.float64, generator=g).clamp_min(1e-300)))
+
+
+def coupled_pick(probs: torch.Tensor, noise: torch.Tensor) -> int:
+    """argmax(log p + Gumbel): a draw from p (Gumbel-max) fixed by the noise."""
+    return int((probs.log() + noise).argmax())
+
+
+def draft_sampler(temperature: float, top_k: int, top_p: float, min_p: float, seed: int, index: int = -1):
+    """The draws inside a draft: greedy at temperature ~0 (or top_k 1); else from draft_probs, with the Gumbel noise
+    of generated positions index, index + 1, ... (index >= 0: coupled with the target's draws there), or with a
+    generator of this seed (index -1). Every rank draws the same tokens from the same gathered logits."""
+    if temperature < 1e-5 or top_k == 1:
+        return greedy
+    g, at = torch.Generator().manual_seed(seed), [index]
+
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for row in logits:
+            p = draft_probs(row, temperature, top_k, top_p, min_p)
+            if index >= 0:
+                rows.append(torch.tensor([coupled_pick(p, gumbel(seed, at[0], p.shape[0]))]))
+                at[0] += 1
+            else:
+                rows.append(torch.multinomial(p, 1, generator=g))
+        return torch.cat(rows).to(logits.device)
+
+    return sample
+
+
+class Speculation:
+    """One rank's side of speculative decoding for its selected sequence. Every consumed position's taps are kept
+    (the last W of them) and written into the DSpark windows in one batch just before the next draft: while the
+    guard has drafting off, plain steps pay no seeding. A verify's positions count only once accepted, and its
+    state mark lets accept() drop the rejected ones exactly."""
+
+    def __init__(self, model, experts):
+        self.model, self.experts = model, experts
+        self.window = model.cfg.sliding_window
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (first position, taps [1, s, n*d]) not yet seeded
+        self.tap_pos = -1  # the last consumed position (drafts start after it)
+        self.mark = self.taps = None
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, state, last_only: bool = False, verify: bool = False):
+        self.mark = state.mark(start_pos, tokens.shape[1]) if verify else None
+        logits, taps = self.model(tokens, start_pos, state, self.experts, last_only=last_only, taps=True)
+        if verify:
+            self.taps = taps
+        else:
+            self._consumed(taps, start_pos)
+        return logits
+
+    def accept(self, state, n_keep: int) -> None:
+        """Keep the first n_keep positions of the last verify (at least its first, the token it continued with)."""
+        if self.mark is None:
+            raise ValueError("accept() without a verify")
+        start = self.mark.start
+        state.rollback(self.mark, start + n_keep)
+        self._consumed(self.taps[:, :n_keep], start)
+        self.mark = self.taps = None
+
+    def draft(self, token: int, pos: int, k: int, state, sample=greedy):
+        """Up to k draft tokens after `token` at position pos -> (ids [k], logits [k, V]), or None where no draft can
+        start (the last consumed position is not pos - 1, or it is position 0: the head drafts after a decode)."""
+        if not self.pending or self.tap_pos != pos - 1 or pos < 2:
+            return None
+        first, taps = self.pending[0][0], torch.cat([t for _, t in self.pending], dim=1)
+        if taps.shape[1] > 1:  # the last position is seeded by the draft itself
+            seed(self.model, self.model.mtp, taps[:, :-1], first, state, self.model.qat)
+        self.pending = [(pos - 1, taps[:, -1:])]
+        out = self.model.draft(torch.tensor([token], device=taps.device), taps[:, -1:], pos - 1, state, self.experts,
+                               sample)  # fmt: skip
+        ids, logits, _ = out
+        return ids[0, 1 : k + 1], logits[0, :k]
+
+    def _consumed(self, taps: torch.Tensor, start_pos: int) -> None:
+        if self.tap_pos != start_pos - 1:  # a new sequence, or one restored from a snapshot: older taps are not its
+            self.pending = []
+        n = taps.shape[1]
+        self.pending.append((start_pos + max(0, n - self.window), taps[:, -self.window :]))
+        self.tap_pos = start_pos + n - 1
+        while sum(t.shape[1] for _, t in self.pending) - self.pending[0][1].shape[1] >= self.window:
+            self.pending.pop(0)  # wholly older than the window
+        p0, t0 = self.pending[0]
+        keep = self.tap_pos + 1 - self.window  # the window's first position
+        if p0 < keep:
+            self.pending[0] = (keep, t0[:, keep - p0 :])

@@ -17,6 +17,9 @@ class LayerState:
     pending_kv: torch.Tensor | None = None  # [b, r, hd] the incomplete group's projections (ratio > 1)
     pending_score: torch.Tensor | None = None  # [b, r, hd] and its gate scores
     ratio: int = 1  # compression ratio of the compressed rows (a row per `ratio` positions)
+    # while a speculative verify runs (DecodeState.mark): the compressor's (first position, kv, score) of the
+    # chunk's open groups, from which a rollback rebuilds the pending group; None otherwise
+    journal: list | None = field(default=None, repr=False)
 
     def parts(self, length: int):
         """(name, tensor, rows along dim 1 that `length` consumed tokens can have written) of every tensor held."""
@@ -25,6 +28,17 @@ class LayerState:
             t = getattr(self, name)
             if t is not None:
                 yield name, t, (rows if name in ("compressed", "index_keys") else t.shape[1])
+
+
+@dataclass
+class Mark:
+    """What a verify of positions start..start+n-1 overwrites that the positions before it wrote (DecodeState.mark):
+    the window ring slots, the compressed / index-key rows of the groups it touches, the pending groups, the
+    Engram history there."""
+
+    start: int
+    n: int
+    saved: dict = field(default_factory=dict)  # (layer, name) -> tensor copy; "history" -> the history's rows
 
 
 @dataclass
@@ -115,4 +129,53 @@ class DecodeState:
         for k, v in snap.items():
             if k.startswith("extras."):
                 self.extras[k.removeprefix("extras.")] = v.to(self.layers[0].window.device)
+        self.length = length
+
+    # ---- speculative verify: write n positions, then keep only the first ones ----
+    def mark(self, start: int, n: int) -> Mark:
+        """Save what a forward of positions start..start+n-1 will overwrite, and journal its compressors, so that
+        rollback() can keep any prefix of them exactly as if only that prefix had been consumed."""
+        if start != self.length:
+            raise ValueError(f"a verify at {start} does not continue the sequence (length {self.length})")
+        m = Mark(start, n)
+        for i, st in enumerate(self.layers):
+            W = st.window.shape[1]
+            if n > W:
+                raise ValueError(f"a verify of {n} positions exceeds the {W}-slot window ring")
+            m.saved[i, "window"] = st.window[:, (start + torch.arange(n)) % W].clone()
+            for name in ("compressed", "index_keys"):
+                t = getattr(st, name)
+                if t is not None:
+                    m.saved[i, name] = t[:, start // st.ratio : -(-(start + n) // st.ratio)].clone()
+            if st.pending_kv is not None:
+                m.saved[i, "pending_kv"], m.saved[i, "pending_score"] = st.pending_kv.clone(), st.pending_score.clone()
+                st.journal = []
+        if self.engram_history is not None:
+            m.saved["history"] = self.engram_history[:, start : start + n].clone()
+        return m
+
+    def rollback(self, m: Mark, length: int) -> None:
+        """After the marked forward: keep its positions below `length`, restore what the others overwrote."""
+        if not m.start < length <= m.start + m.n or self.length != m.start + m.n:
+            raise ValueError(f"rollback to {length} is outside the verify of {m.n} positions at {m.start}")
+        drop = torch.arange(length, m.start + m.n)  # the rejected positions
+        for i, st in enumerate(self.layers):
+            W = st.window.shape[1]
+            st.window[:, drop % W] = m.saved[i, "window"][:, drop - m.start]
+            lo, keep = m.start // st.ratio, length // st.ratio  # rows from `keep` hold a rejected position
+            for name in ("compressed", "index_keys"):
+                t = getattr(st, name)
+                if t is not None:
+                    saved = m.saved[i, name]
+                    t[:, keep : lo + saved.shape[1]] = saved[:, keep - lo :]
+            if st.pending_kv is not None:
+                first, kv, score = st.journal[-1]
+                st.journal = None
+                st.pending_kv.copy_(m.saved[i, "pending_kv"])
+                st.pending_score.copy_(m.saved[i, "pending_score"])
+                g, b = keep * st.ratio - first, kv.shape[0]  # the open group's consumed tokens, in the journal
+                st.pending_kv[:b, : length - keep * st.ratio] = kv[:, g : g + length % st.ratio]
+                st.pending_score[:b, : length - keep * st.ratio] = score[:, g : g + length % st.ratio]
+        if self.engram_history is not None:
+            self.engram_history[:, length : m.start + m.n] = m.saved["history"][:, length - m.start :]
         self.length = length

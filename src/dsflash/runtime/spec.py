@@ -50,7 +50,11 @@ class EngineSpec:
     max_num_batched_tokens: int | None = None
     threads: int | None = None  # torch / kernel threads per rank; None: 1 for a tiny model, else cores / local ranks
     qat: bool = True  # the model's activation fake-quant points (DeepSeek's inference code has them on)
-    dspark: bool = False  # load the DSpark draft stages (speculative decoding is off in serving)
+    dspark: bool = False  # load the DSpark draft stages (speculative needs them: it turns this on)
+    # speculative decoding: None (off) or "dspark" (the model's DSpark head drafts, one target forward verifies;
+    # runtime/scheduler/speculative.py); one sequence at a time
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None  # drafts per verify; None: the head's block size
     # the head's FP8 screen for decode (runtime.cpu.dense.ScreenedHead) under dense_format fp8: None where the head
     # is large enough to pay (dense.SCREEN_HEAD_MIN_BYTES a rank), True / False to force it
     screen_head: bool | None = None
@@ -87,6 +91,19 @@ class EngineSpec:
             )
         if (self.prefix_cache_gb is not None and self.prefix_cache_gb < 0) or self.prefix_cache_disk_gb < 0:
             raise ConfigError("--prefix-cache-gb and --prefix-cache-disk-gb must be >= 0")
+        if self.speculative not in (None, "dspark"):
+            raise ConfigError(f"--speculative {self.speculative!r}: the only method is dspark")
+        if self.speculative and not self.dspark:
+            object.__setattr__(self, "dspark", True)  # the draft head's stages must be loaded
+        if self.num_speculative_tokens is not None and (
+            self.speculative is None or type(self.num_speculative_tokens) is not int or self.num_speculative_tokens < 1
+        ):
+            raise ConfigError("--num-speculative-tokens needs --speculative dspark and a positive integer")
+        if self.speculative and self.max_num_seqs > 1:
+            raise ConfigError(
+                f"--speculative dspark runs one sequence at a time; it cannot be combined with --max-num-seqs "
+                f"{self.max_num_seqs}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
         for name, value, choices in (

@@ -125,8 +125,8 @@ class ReferenceBackend:
 
         torch.set_num_threads(resolve(self.spec, files.ckpt.config).threads)
         self.path = files.ckpt.path
-        # DSpark (speculative decoding) is off in serving: it loses when experts are the bottleneck (seed.md)
-        self.loaded = load_reference(files.ckpt, files.token_map, dspark=False)
+        # DSpark only with --speculative (off by default: drafts must pay for their verify, docs/performance.md)
+        self.loaded = load_reference(files.ckpt, files.token_map, dspark=self.spec.speculative is not None)
         params = sum(p.numel() for p in self.loaded.model.parameters())
         return f"{params / 1e6:,.1f} M dense parameters on the CPU (fp32), {torch.get_num_threads()} thread(s)"
 
@@ -135,7 +135,8 @@ class ReferenceBackend:
         from dsflash.runtime.reference.runner import ModelRunner
 
         identity = snapshot_identity(self.path, self.spec, backend="reference")
-        self._runner = ModelRunner(self.loaded, max_len, identity, self.spec.prefix_cache_dir)
+        self._runner = ModelRunner(self.loaded, max_len, identity, self.spec.prefix_cache_dir,
+                                   speculative=self.spec.speculative is not None)  # fmt: skip
         return f"decode state for {max_len:,} tokens; no expert slots (experts resident)"
 
     def runner(self):
@@ -286,7 +287,8 @@ def _warm(ctx: _Ctx) -> str:
     if getattr(runner, "n_seqs", 1) > 1:
         ctx.engine = BatchEngine(runner, tok.eos_ids, max_num_batched_tokens=spec.batched_tokens, **common)
     else:
-        ctx.engine = Engine(runner, tok.eos_ids, **common)
+        k = (spec.num_speculative_tokens or 0) if spec.speculative else None
+        ctx.engine = Engine(runner, tok.eos_ids, num_speculative_tokens=k, **common)
     ctx.engine.start()
     return f"prefill + one decode step in {step * 1000:.0f} ms; engine thread started; {_prefix_line(prefix)}"
 

@@ -125,7 +125,8 @@ class Generator:
 
     def gauges(self) -> dict[str, int]:
         """What /metrics shows of the engine now; the keys are api.GAUGES."""
-        return {"queue_depth": self.engine.queue.depth, "requests_running": self.engine.running}
+        spec = getattr(self.engine, "speculative_stats", dict)()  # speculative decoding's counters, when it is on
+        return {"queue_depth": self.engine.queue.depth, "requests_running": self.engine.running, **spec}
 
     def step_histograms(self) -> dict[str, dict[int, int]]:
         """Cumulative counts by value of each of api.STEP_HISTOGRAMS."""

@@ -15,6 +15,7 @@ import torch
 from dsflash.counters import ExpertCounters
 from dsflash.errors import EngineDead, InvalidRequest, NotReady
 from dsflash.runtime.prefix.cache import salt_digest
+from dsflash.runtime.scheduler import speculative as spec_decode
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, RequestQueue, StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import Sampler, top_logprobs
 
@@ -41,8 +42,11 @@ class Engine:
 
     """submit(request) -> Handle. The engine thread owns the runner; nothing else touches it."""
 
-    def __init__(self, runner: Runner, eos_ids: set[int], max_queue: int = 64, prefill_chunk: int = 512, prefix=None):
-        """prefix: a runtime.prefix.cache.PrefixCache over this runner, or None (every prompt prefilled whole)."""
+    def __init__(self, runner: Runner, eos_ids: set[int], max_queue: int = 64, prefill_chunk: int = 512, prefix=None,
+                 num_speculative_tokens: int | None = None):  # fmt: skip
+        """prefix: a runtime.prefix.cache.PrefixCache over this runner, or None (every prompt prefilled whole);
+        num_speculative_tokens: decode speculatively with the runner's DSpark head, this many drafts per verify
+        (0: the head's block size; None: off). The runner must be built speculative."""
         self.runner, self.eos_ids = runner, set(eos_ids)
         self.prefill_chunk, self.prefix = prefill_chunk, prefix
         self.queue = RequestQueue(max_queue)
@@ -51,6 +55,14 @@ class Engine:
         self._stop = threading.Event()
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "tokens": 0, "prompt_tokens": 0,
                          "cached_tokens": 0}  # fmt: skip
+        self.speculative, self.costs = None, spec_decode.Costs()
+        if num_speculative_tokens is not None:
+            block = runner.draft_block
+            k = num_speculative_tokens or block
+            if not 1 <= k <= block:
+                raise ValueError(f"--num-speculative-tokens {k}: the DSpark head drafts 1..{block} tokens a pass")
+            self.speculative = spec_decode.Speculative(k)
+            self.counters.update(spec_decode.stats_keys())
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> Engine:
@@ -159,7 +171,8 @@ class Engine:
         # experts_start lets the consumer turn the runner's cumulative counters into this request's share
         stats = StepStats(experts_start, self.runner.counters(), ttft_s=time.perf_counter() - t0, cached_tokens=cached)
         fed: list[int] = []  # generated tokens the runner consumed (the last sampled one never is)
-        self._decode(handle, last, prompt_lp, stats, fed)
+        decode = self._decode if self.speculative is None else self._decode_speculative
+        decode(handle, last, prompt_lp, stats, fed)
         if fed:  # the state holds prompt + fed (not after a failure: a forward may have stopped half-way)
             self._save(req, prompt + fed)
 
@@ -193,6 +206,17 @@ class Engine:
         # max_tokens == 0: only the prompt was scored (echo + logprobs)
         self._finish(handle, TokenEvent(None, 0, finish_reason="length", prompt_logprobs=prompt_lp, stats=stats))
         self._save(req, req.prompt)
+
+    def _decode_speculative(self, handle: Handle, last, prompt_lp, stats: StepStats, fed: list[int]) -> None:
+        spec_decode.decode(self, handle, last, prompt_lp, stats, fed)
+
+    def speculative_stats(self) -> dict[str, float]:
+        """What /metrics shows of speculation (empty when it is off): counters and the mean accepted per verify."""
+        if self.speculative is None:
+            return {}
+        c = {k: self.counters[k] for k in spec_decode.stats_keys()}
+        c["spec_mean_accepted"] = c["spec_accepted_tokens"] / c["spec_verifies"] if c["spec_verifies"] else 0.0
+        return c
 
     def _prefill(self, handle: Handle, prompt: list[int], prompt_logprobs: int | None):
         """Chunked prefill from the deepest snapshot of a prefix (none where every position's logits are asked

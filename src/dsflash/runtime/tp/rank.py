@@ -12,6 +12,7 @@ from dsflash.checkpoint.load import load_into
 from dsflash.counters import ExpertCounters
 from dsflash.errors import ConfigError
 from dsflash.model.block import Embedding
+from dsflash.model.dspark import Speculation, draft_sampler
 from dsflash.model.engram import EngramTable
 from dsflash.model.parallel import TP
 from dsflash.model.transformer import Transformer
@@ -81,6 +82,7 @@ class RankRuntime:
         self.slot_device = device  # None: the rank's own (CpuDevice or CudaDevice)
         self.device = rank_device(spec.device, tp.rank)
         self.model = self.state = self.experts = self.graph = self.routing_log = self.shelf = None
+        self.speculation: Speculation | None = None  # --speculative: every forward seeds the DSpark head
         self.states: list = []  # one decode state per sequence slot (spec.max_num_seqs); `state` is the selected one
         self.dense_bytes = 0
         self._ckpt = None
@@ -148,6 +150,11 @@ class RankRuntime:
         self.experts = CachedExperts(store, device, n_slots, tp.rank, cfg.swiglu_limit, self.routing_log)
         # the decode step as CUDA graphs (runtime/cuda/graph.py); not where collectives go through host copies
         graphs = self.device.type == "cuda" and spec.cuda_graph and not tp.host_staging
+        if spec.speculative:
+            self.speculation = Speculation(self.model, self.experts)
+            if graphs:  # a captured step computes no DSpark taps
+                log.warning("decode runs without CUDA graphs: --speculative seeds the draft head on every step")
+                graphs = False
         if graphs and spec.max_num_seqs > 1:  # a captured step reads one state's tensors; batches run eagerly
             log.warning("decode runs without CUDA graphs: --max-num-seqs %d batches sequences", spec.max_num_seqs)
             graphs = False
@@ -182,6 +189,8 @@ class RankRuntime:
 
     def reset(self) -> None:
         self.state.reset()
+        if self.speculation is not None:
+            self.speculation.reset()
         if self.routing_log is not None:
             self.routing_log.reset()
 
@@ -196,11 +205,31 @@ class RankRuntime:
         finally:
             self.routing_log.end()
 
-    def _forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool, verify: bool = False) -> torch.Tensor:
+        if self.speculation is not None:
+            return self.speculation.forward(tokens.to(self.device), start_pos, self.state, last_only, verify)
         if self.graph is not None and tokens.shape[1] == 1:  # a decode step: the captured graphs
             self.model.check_input(tokens, start_pos, self.state)  # on the host: the graphs check nothing
             return self.graph.step(int(tokens[0, 0]), start_pos)
         return self.model(tokens.to(self.device), start_pos, self.state, self.experts, last_only=last_only)
+
+    # ---- speculative decoding: the same calls on every rank (runtime/tp/workers.py sends them) ----
+    def verify(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """tokens [1, s]: a forward whose positions stay revocable until accept() -> logits [1, s, V]."""
+        if self.routing_log is None:
+            return self._forward(tokens, start_pos, False, verify=True)
+        self.routing_log.begin(start_pos, tokens.shape[1])
+        try:
+            return self._forward(tokens, start_pos, False, verify=True)
+        finally:
+            self.routing_log.end()
+
+    def accept(self, n_keep: int) -> None:
+        self.speculation.accept(self.state, n_keep)
+
+    def draft(self, token: int, pos: int, k: int, sampling: tuple):
+        """-> (ids [k], logits [k, V]) on every rank, or None; sampling: dspark.draft_sampler's arguments."""
+        return self.speculation.draft(token, pos, k, self.state, draft_sampler(*sampling))
 
     def counters(self) -> ExpertCounters:
         return self.experts.counters()

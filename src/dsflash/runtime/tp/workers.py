@@ -37,6 +37,7 @@ from dsflash.store.build import build_store
 log = logging.getLogger(__name__)
 
 FORWARD, RESET, STOP, SNAPSHOT, RESTORE, DROP, SELECT, DECODE = 1, 2, 3, 4, 5, 6, 7, 8
+VERIFY, ACCEPT, DRAFT = 9, 10, 11  # speculative decoding; VERIFY: as FORWARD; ACCEPT: op, 0, n kept; DRAFT: below
 # op, start_pos, n tokens, last position's logits only; snapshot ops: op, length, key, flags; SELECT: op, sequence
 # slot; DECODE: op, 0, B (then a [3, B] tensor: tokens, positions, sequence slots)
 HEADER = 4
@@ -146,6 +147,16 @@ def follow(rt: RankRuntime) -> None:
             tokens = torch.empty(1, n, dtype=torch.int64)
             dist.broadcast(tokens, src=0)
             rt.forward(tokens, start_pos, bool(last_only))
+        elif op == VERIFY:
+            tokens = torch.empty(1, n, dtype=torch.int64)
+            dist.broadcast(tokens, src=0)
+            rt.verify(tokens, start_pos)
+        elif op == ACCEPT:
+            rt.accept(n)
+        elif op == DRAFT:  # op, position, k, token; then the draws' (temperature, top_k, top_p, min_p, seed, index)
+            sampling = torch.empty(6, dtype=torch.float64)
+            dist.broadcast(sampling, src=0)
+            rt.draft(last_only, start_pos, n, _sampling(sampling))
         elif op == SELECT:
             rt.select(start_pos)
         elif op == DECODE:
@@ -156,9 +167,14 @@ def follow(rt: RankRuntime) -> None:
         elif op == SNAPSHOT:
             _snapshot(rt.shelf, n, last_only)
         elif op == RESTORE:
-            _restore(rt.shelf, n, start_pos, last_only)
+            _restore(rt.shelf, n, start_pos, last_only, rt.speculation)
         elif op == DROP:
             rt.shelf.drop(n, memory=bool(last_only & MEMORY), disk=bool(last_only & DISK))
+
+
+def _sampling(t: torch.Tensor) -> tuple:
+    temperature, top_k, top_p, min_p, seed, index = t.tolist()
+    return temperature, int(top_k), top_p, min_p, int(seed), int(index)
 
 
 def _snapshot(shelf: Shelf, key: int, flags: int, tokens=None, salt: str = "") -> Taken:
@@ -170,7 +186,7 @@ def _snapshot(shelf: Shelf, key: int, flags: int, tokens=None, salt: str = "") -
     return Taken(*(int(x) for x in v))
 
 
-def _restore(shelf: Shelf, key: int, length: int, flags: int) -> bool:
+def _restore(shelf: Shelf, key: int, length: int, flags: int, speculation=None) -> bool:
     """Every rank loads and checks its shard; only if all can does any rank's state change."""
     snap = shelf.load(key, length, bool(flags & FROM_DISK))
     ok = torch.tensor([int(snap is not None)], dtype=torch.int64)
@@ -179,6 +195,8 @@ def _restore(shelf: Shelf, key: int, length: int, flags: int) -> bool:
     if not int(ok):
         return False
     shelf.apply(key, snap, length, keep=bool(flags & KEEP))
+    if speculation is not None:  # the taps it holds are another sequence's
+        speculation.reset()
     return True
 
 
@@ -335,6 +353,38 @@ class TPRunner:
                 raise self._dead(e) from None
             raise
 
+    # ---- speculative decoding (runtime/scheduler/speculative.py): every rank drafts and verifies ----
+    @property
+    def draft_block(self) -> int:
+        return self.rank0.cfg.dspark_block_size
+
+    def verify(self, tokens: list[int], start_pos: int) -> torch.Tensor:
+        """A forward of tokens at start_pos with all logits [s, V], revocable until accept()."""
+        t = torch.tensor([tokens], dtype=torch.int64)
+        return self._guarded(VERIFY, start_pos, len(tokens), 0, t, lambda: self.rank0.verify(t, start_pos)[0].cpu())
+
+    def accept(self, n_keep: int) -> None:
+        """Keep the first n_keep positions of the last verify on every rank; drop the rest exactly."""
+        self._guarded(ACCEPT, 0, n_keep, 0, None, lambda: self.rank0.accept(n_keep))
+
+    def draft(self, token: int, pos: int, k: int, sampling: tuple) -> tuple[list[int], torch.Tensor] | None:
+        """Up to k DSpark drafts after token at pos -> (ids, logits [k, V]), or None where none can start."""
+        t = torch.tensor(sampling, dtype=torch.float64)
+        out = self._guarded(DRAFT, pos, k, token, t, lambda: self.rank0.draft(token, pos, k, _sampling(t)))
+        return None if out is None else (out[0].tolist(), out[1].cpu())
+
+    def _guarded(self, op: int, a: int, n: int, flag: int, payload, run):
+        """Header, payload broadcast (if any), then rank 0's own call; a dead peer becomes EngineDead."""
+        self._step(op, a, n, flag)
+        try:
+            if self.world > 1 and payload is not None:
+                dist.broadcast(payload, src=0)
+            return run()
+        except RuntimeError as e:
+            if self.world > 1 and any(not p.is_alive() for p in self.procs):
+                raise self._dead(e) from None
+            raise
+
     # ---- prefix snapshots (runtime/prefix/cache.SnapshotRunner) ----
     @property
     def snapshot_identity(self) -> dict | None:
@@ -350,7 +400,9 @@ class TPRunner:
 
     def restore(self, key: int, length: int, from_disk: bool, keep: bool) -> bool:
         flags = FROM_DISK * from_disk | KEEP * keep
-        return self._collective(RESTORE, length, key, flags, lambda: _restore(self.rank0.shelf, key, length, flags))
+        return self._collective(
+            RESTORE, length, key, flags, lambda: _restore(self.rank0.shelf, key, length, flags, self.rank0.speculation)
+        )
 
     def drop(self, key: int, memory: bool, disk: bool) -> None:
         flags = MEMORY * memory | DISK * disk
