@@ -31,11 +31,13 @@ lint: install
 # two workers, one thread each: most tests are single-threaded Python over tiny models, and a second torch thread per
 # process only contended with the servers and TP ranks the tests start (tests that need threads set their own).
 # Whole files go to a worker in collection order (tests/conftest.py puts the slowest first); xdist's default reorder
-# by test count handed the slow one-test files out last, and one worker ran them alone
+# by test count handed the slow one-test files out last, and one worker ran them alone. Bytecode is written even where
+# the environment says not to (PYTHONDONTWRITEBYTECODE): else every worker, server and TP rank the suite starts
+# compiles dsflash, and pytest rewrites ~340 modules' asserts, from source again (~8 s of each worker's collection)
 TEST_WORKERS ?= 2
 
 test: install lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
