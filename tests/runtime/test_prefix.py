@@ -126,7 +126,7 @@ def run_with(runner, cache, talk):
 
 # ---- the CPU reference --------------------------------------------------------------------------------------------
 def test_reference_reuse_is_exact(reference):
-    """The cache over the reference runner (the chats run on the engine below, at 64 tokens a turn)."""
+    """The cache over the reference runner (the chats run on the engine below)."""
     runner = ModelRunner(reference, max_len=1024)
     plain = run_with(runner, None, completion_turns)
     cache = PrefixCache(runner, 1 << 30, block=BLOCK)
