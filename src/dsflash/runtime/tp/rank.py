@@ -194,14 +194,14 @@ class RankRuntime:
         if self.routing_log is not None:
             self.routing_log.reset()
 
-    def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int, last_only: bool = False, verify: bool = False):
         """tokens [1, s] -> fp32 logits [1, s, V], or [1, 1, V] with last_only (every rank gets them gathered),
-        on this rank's device."""
+        on this rank's device; verify: the positions stay revocable until accept()."""
         if self.routing_log is None:
-            return self._forward(tokens, start_pos, last_only)
+            return self._forward(tokens, start_pos, last_only, verify)
         self.routing_log.begin(start_pos, tokens.shape[1])
         try:
-            return self._forward(tokens, start_pos, last_only)
+            return self._forward(tokens, start_pos, last_only, verify)
         finally:
             self.routing_log.end()
 
@@ -216,13 +216,7 @@ class RankRuntime:
     # ---- speculative decoding: the same calls on every rank (runtime/tp/workers.py sends them) ----
     def verify(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
         """tokens [1, s]: a forward whose positions stay revocable until accept() -> logits [1, s, V]."""
-        if self.routing_log is None:
-            return self._forward(tokens, start_pos, False, verify=True)
-        self.routing_log.begin(start_pos, tokens.shape[1])
-        try:
-            return self._forward(tokens, start_pos, False, verify=True)
-        finally:
-            self.routing_log.end()
+        return self.forward(tokens, start_pos, verify=True)
 
     def accept(self, n_keep: int) -> None:
         self.speculation.accept(self.state, n_keep)
