@@ -19,7 +19,7 @@ EVERY_FLAG = [
     "--allowed-origins", "http://a.example", "--allow-long-context", "--speculative", "dspark",
     "--num-speculative-tokens", "2",
 ]  # fmt: skip
-NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "run"}  # the key travels in the environment
+NOT_CARRIED = {"command", "detach", "api_key", "_child", "_log", "_key_was_flag", "run"}  # the key: in the environment
 
 
 def test_a_detached_server_gets_every_flag_it_was_given():

@@ -11,7 +11,7 @@ import time
 
 from dsflash.server.registry import new_log_path, servers
 
-NOT_CARRIED = {"help", "detach", "api_key", "_child", "_log"}  # the API key travels in the environment
+NOT_CARRIED = {"help", "detach", "api_key", "_child", "_log", "_key_was_flag"}  # the API key travels in the environment
 
 
 def child_argv(args) -> list[str]:
@@ -35,11 +35,13 @@ def child_argv(args) -> list[str]:
 def detach(args, choice) -> int:
     log_path = new_log_path(choice.slug, args.port)
     env = dict(os.environ)
+    key_flag = []
     if args.api_key:
         env["DSFLASH_API_KEY"] = args.api_key
+        key_flag = ["--_key_was_flag"]  # the card then says where the key came from
     with open(log_path, "ab") as log, open(os.devnull, "rb") as devnull:
         child = subprocess.Popen(
-            [*child_argv(args), "--_child", "--_log", str(log_path)],
+            [*child_argv(args), "--_child", "--_log", str(log_path), *key_flag],
             stdin=devnull,
             stdout=log,
             stderr=subprocess.STDOUT,

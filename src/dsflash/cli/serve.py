@@ -89,6 +89,8 @@ def add_parser(sub) -> None:
     p.add_argument("--detach", action="store_true", help="boot in the background, print the ready card, return")
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_log", default=None, help=argparse.SUPPRESS)
+    # a detached server gets its key in the environment, never in its argv (ps shows argv): this says it was a flag
+    p.add_argument("--_key_was_flag", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(run=run)
 
 
@@ -146,7 +148,7 @@ class _Serve:
         self.args, self.choice = args, choice
         self.t0 = time.perf_counter()
         self.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-        self.key_source = "--api-key" if args.api_key else API_KEY_ENV
+        self.key_source = "--api-key" if args.api_key or args._key_was_flag else API_KEY_ENV
         # a flag the backend cannot honour fails before anything starts; then the port is bound
         origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
         self.serving = Serving(
