@@ -181,6 +181,12 @@ def test_snapshot_restores_into_the_same_tensors(reference):
     assert torch.equal(model(ids[:, 50:], 50, b, experts), want)
     with pytest.raises(ValueError):
         b.restore(snap, 51)
+    # whatever else the state carries comes back as its own copy: the snapshot is never the sequence's memory
+    a.extras["scratch"] = torch.zeros(3)
+    snap = a.snapshot()
+    b.restore(snap, a.length)
+    b.extras["scratch"] += 1
+    assert torch.equal(snap["extras.scratch"], torch.zeros(3)) and torch.equal(b.extras["scratch"], torch.ones(3))
 
 
 # ---- the engine: TP 1 and TP 2 ranks, memory then disk ------------------------------------------------------------

@@ -127,8 +127,8 @@ class DecodeState:
             self.engram_history[:, :length].copy_(snap["engram_history"])
         self.extras.clear()
         for k, v in snap.items():
-            if k.startswith("extras."):
-                self.extras[k.removeprefix("extras.")] = v.to(self.layers[0].window.device)
+            if k.startswith("extras."):  # a copy: the snapshot stays what it was, whatever this sequence does next
+                self.extras[k.removeprefix("extras.")] = v.to(self.layers[0].window.device, copy=True)
         self.length = length
 
     # ---- speculative verify: write n positions, then keep only the first ones ----
