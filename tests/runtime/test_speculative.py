@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dsflash.errors import ConfigError
-from dsflash.model.dspark import draft_probs, draft_sampler
+from dsflash.model.dspark import draft_sampler
+from dsflash.model.sampling import probabilities
 from dsflash.runtime.reference.loader import load_reference
 from dsflash.runtime.reference.runner import ModelRunner
 from dsflash.runtime.scheduler import speculative
@@ -153,8 +154,8 @@ def test_sampled_speculation_keeps_the_target_distribution():
     params = SamplingParams(temperature=1.5, top_k=6, seed=None, max_tokens=8)
     _, qlogits = r.draft(token, len(prompt), 1, (0.0, 0, 1.0, 0.0, 0, -1))
     logits = r.verify([token, 5], len(prompt))
-    p = draft_probs(logits[0], params.temperature, params.top_k, params.top_p, params.min_p).numpy()
-    q = draft_probs(qlogits[0], params.temperature, params.top_k, params.top_p, params.min_p)
+    p = probabilities(logits[0], params.temperature, params.top_k, params.top_p, params.min_p).numpy()
+    q = probabilities(qlogits[0], params.temperature, params.top_k, params.top_p, params.min_p)
     assert float((q.numpy() - p).clip(0).sum()) > 0.2  # a random head: many drafts are rejected
     sampler, draws, g = (
         Sampler(SamplingParams(temperature=1.5, top_k=6, seed=3)),
@@ -201,7 +202,7 @@ def test_coupled_draws_follow_the_target_distribution():
     torch.manual_seed(0)
     logits = torch.randn(300) * 2
     params = SamplingParams(temperature=0.9, top_k=6, seed=0)
-    p = draft_probs(logits, 0.9, 6, 1.0, 0.0).numpy()
+    p = probabilities(logits, 0.9, 6, 1.0, 0.0).numpy()
     counts = np.zeros(p.shape[0])
     for seed in range(2_000):
         counts[speculative._coupled(SamplingParams(temperature=0.9, top_k=6, seed=seed), logits, 3)] += 1

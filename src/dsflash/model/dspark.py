@@ -13,6 +13,7 @@ from dsflash.model.attention import Attention, Step, ring_write, sparse_attentio
 from dsflash.model.block import Block, Embedding, Head
 from dsflash.model.layers import Linear, RMSNorm, Rope
 from dsflash.model.parallel import TP
+from dsflash.model.sampling import probabilities
 
 
 class DSparkAttention(Attention):
@@ -144,27 +145,6 @@ def seed(model, stages: nn.ModuleList, main_hidden: torch.Tensor, start_pos: int
         stage.attn.seed(main_x, step)
 
 
-def draft_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """float64 probabilities [V] of logits [V] after the sampler's filters in its order (temperature, top_k, min_p
-    relative to the most likely, top_p): the same function gives the draft's q and the target's p."""
-    x = logits.detach().to("cpu", torch.float64) / temperature
-    e = torch.exp(x - x.max())
-    if not bool(torch.isfinite(e).all()) or not float(e.sum()) > 0:
-        raise ValueError("no token can be drawn: the logits are not finite")
-    if 0 < top_k < e.shape[0]:
-        e = torch.where(e >= e.topk(top_k).values[-1], e, 0.0)
-    if min_p > 0:
-        e = torch.where(e >= min_p, e, 0.0)
-    if top_p < 1:
-        v, order = e.sort(descending=True, stable=True)
-        before = v.cumsum(0) - v
-        drop = before >= top_p * float(e.sum())
-        drop[0] = False  # the most likely always stays
-        e = e.clone()
-        e[order[drop]] = 0.0
-    return e / e.sum()
-
-
 def gumbel(seed: int, index: int, vocab: int) -> torch.Tensor:
     """float64 Gumbel noise [V] of generated token `index` of a request seeded `seed`: the same on every rank and
     every run, whoever draws that position (a plain step, a draft, a verify)."""
@@ -178,9 +158,10 @@ def coupled_pick(probs: torch.Tensor, noise: torch.Tensor) -> int:
 
 
 def draft_sampler(temperature: float, top_k: int, top_p: float, min_p: float, seed: int, index: int = -1):
-    """The draws inside a draft: greedy at temperature ~0 (or top_k 1); else from draft_probs, with the Gumbel noise
-    of generated positions index, index + 1, ... (index >= 0: coupled with the target's draws there), or with a
-    generator of this seed (index -1). Every rank draws the same tokens from the same gathered logits."""
+    """The draws inside a draft: greedy at temperature ~0 (or top_k 1); else from the sampler's filtered
+    distribution (sampling.probabilities), with the Gumbel noise of generated positions index, index + 1, ...
+    (index >= 0: coupled with the target's draws there), or with a generator of this seed (index -1). Every rank
+    draws the same tokens from the same gathered logits."""
     if temperature < 1e-5 or top_k == 1:
         return greedy
     g, at = torch.Generator().manual_seed(seed), [index]
@@ -188,7 +169,7 @@ def draft_sampler(temperature: float, top_k: int, top_p: float, min_p: float, se
     def sample(logits: torch.Tensor) -> torch.Tensor:
         rows = []
         for row in logits:
-            p = draft_probs(row, temperature, top_k, top_p, min_p)
+            p = probabilities(row, temperature, top_k, top_p, min_p)
             if index >= 0:
                 rows.append(torch.tensor([coupled_pick(p, gumbel(seed, at[0], p.shape[0]))]))
                 at[0] += 1

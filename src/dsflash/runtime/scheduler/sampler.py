@@ -11,6 +11,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from dsflash.model.sampling import filtered
+
 MAX_TOP_LOGPROBS = 20
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 
@@ -103,46 +105,11 @@ class Sampler:
         return Sample(token, float(lp[token]), top_logprobs(lp, k))
 
     def _draw(self, logits: torch.Tensor) -> int:
-        """temperature, then top_k, min_p and top_p (vLLM's order), then one draw; in numpy, over the tokens still
-        possible (a constraint's mask leaves few), sorting only those top_p can keep: torch's sort and multinomial
-        over the whole vocabulary cost more than a small model's decode step (docs/performance.md)."""
+        """One draw from what the filters keep (model.sampling: the definition speculative decoding shares)."""
         p = self.params
-        x = logits.contiguous().numpy() / np.float32(p.temperature)
-        top = x.max()
-        if not np.isfinite(top):  # NaN logits, or every token masked: a failed request, never an arbitrary token
-            raise ValueError(f"no token can be drawn: the largest logit is {top}")
-        e = np.exp(x - top)  # unnormalised: the largest is 1, what is masked is 0
-        if p.top_k == 0 and p.min_p == 0 and p.top_p == 1:
-            return _pick(e, self.rng.random())
-        ids = np.flatnonzero(e)  # the filters select among the possible tokens only (partitions slow on ties)
-        v = e[ids]
-        if 0 < p.top_k < v.shape[0]:
-            keep = v >= np.partition(v, v.shape[0] - p.top_k)[v.shape[0] - p.top_k]
-            ids, v = ids[keep], v[keep]
-        if p.min_p > 0:
-            keep = v >= p.min_p
-            ids, v = ids[keep], v[keep]
-        if p.top_p < 1:
-            keep = _nucleus(v, p.top_p)
-            ids, v = ids[keep], v[keep]
-        return int(ids[_pick(v, self.rng.random())])
-
-
-def _nucleus(v: np.ndarray, top_p: float, first: int = 1024) -> np.ndarray:
-    """Indices of the smallest most-likely set of v whose mass reaches top_p of the whole (the most likely always
-    stays): sorted among the `first` largest, then 8x as many, until the set fits."""
-    need, n, k = top_p * float(v.sum(dtype=np.float64)), v.shape[0], first
-    while k < n:
-        part = np.argpartition(v, n - k)[n - k :]
-        if float(v[part].sum(dtype=np.float64)) >= need:
-            break
-        k *= 8
-    else:
-        part = np.arange(n)
-    order = part[np.argsort(-v[part])]
-    before = np.cumsum(v[order], dtype=np.float64) - v[order]
-    keep = order[before < need]
-    return keep if keep.shape[0] else order[:1]  # a top_p below the float's resolution: the most likely alone
+        ids, v = filtered(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+        i = _pick(v, self.rng.random())
+        return i if ids is None else int(ids[i])
 
 
 def _pick(v: np.ndarray, u: float, block: int = 1024) -> int:

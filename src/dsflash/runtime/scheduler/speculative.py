@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsflash.model.dspark import coupled_pick, draft_probs, gumbel
+from dsflash.model.dspark import coupled_pick, gumbel
+from dsflash.model.sampling import probabilities
 from dsflash.runtime.scheduler.queue import StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import Sample, Sampler, top_logprobs
 
@@ -198,7 +199,7 @@ def _draw_params(params, sampler: Sampler, coupled: bool) -> tuple:
 
 
 def _coupled(params, logits: torch.Tensor, index: int) -> int:
-    p = draft_probs(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    p = probabilities(logits, params.temperature, params.top_k, params.top_p, params.min_p)
     return coupled_pick(p, gumbel(params.seed % SEED_MOD, index, p.shape[0]))
 
 
@@ -215,8 +216,8 @@ def _accept(sampler: Sampler, params, ids: list[int], qlogits: torch.Tensor, log
             if s.token != d:
                 return out
             continue
-        p = draft_probs(logits[j], params.temperature, params.top_k, params.top_p, params.min_p)
-        q = draft_probs(qlogits[j], params.temperature, params.top_k, params.top_p, params.min_p)
+        p = probabilities(logits[j], params.temperature, params.top_k, params.top_p, params.min_p)
+        q = probabilities(qlogits[j], params.temperature, params.top_k, params.top_p, params.min_p)
         if sampler.rng.random() * float(q[d]) <= float(p[d]):
             out.append(_sample(sampler, params, logits[j], d))
             continue
