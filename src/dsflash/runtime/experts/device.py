@@ -148,9 +148,10 @@ class CpuDevice:
     """Slots in process memory; experts computed by the native block-float kernels (runtime/cpu/native.py).
 
     Few tokens per expert (decode): fused GEMVs straight on the tiles, fp32 activations. Many (prefill): the tiles
-    expand (exactly) and multiply as matrices in `matmul_dtype`: fp32 (the BLAS), native.BF16X2 (AMX, fp32-grade
-    activations; the tiles expand panel by panel inside the product) or bf16 (the BLAS in bf16 for w1 and w3; w2,
-    whose outputs are partial sums, then in fp32).
+    expand (exactly) and multiply as matrices in `matmul_dtype`: fp32 (native.packed_linear, the tiles expanded
+    panel by panel inside the product; the BLAS on a whole expansion without AVX2), native.BF16X2 (AMX, fp32-grade
+    activations; panels as well) or bf16 (the BLAS in bf16 for w1 and w3; w2, whose outputs are partial sums, then
+    in fp32).
     """
 
     name = "cpu"
@@ -221,8 +222,9 @@ class CpuDevice:
             if dtype == native.BF16X2:
                 y = native.amx_packed(a, view(m), fmt, (m.rows, m.cols))  # panels expanded where multiplied
                 return y if y is not None else native.amx_linear(a, native.dequant_bf16(view(m), (m.rows, m.cols), fmt))
-            if dtype == torch.float32:
-                return F.linear(a.float(), native.dequant_f32(view(m), (m.rows, m.cols), fmt))
+            if dtype == torch.float32:  # panels expanded where multiplied (AVX2 / AVX-512), else the whole matrix
+                y = native.packed_linear(a, view(m), fmt, (m.rows, m.cols))
+                return y if y is not None else F.linear(a.float(), native.dequant_f32(view(m), (m.rows, m.cols), fmt))
             w = native.dequant_bf16(view(m), (m.rows, m.cols), fmt)
             return F.linear(a.to(torch.bfloat16), w).float()
 
