@@ -2,9 +2,11 @@
 
 Every kernel build this CPU can run (native = -march=native, avx2 = csrc/simd.h's AVX2 loops forced, generic = the
 portable loops) times the decode GEMVs (one vector: a routed expert's w1 [2304, 5120] in bfp4_b and bfp8_b, an FP8
-dense matrix of the same shape, the bf16 head's rows) and the prefill products (a 512-token chunk: the weights
-expanded, then multiplied by torch's fp32 BLAS). Baselines: torch's fp32 and bf16 products on the same shapes (the
-reference's decode is the fp32 GEMV; the compute roof of a prefill is the faster of torch's two matmuls here).
+dense matrix of the same shape, the bf16 head's rows) and the prefill products (a 512-token chunk): the whole
+weight expanded, then multiplied by torch's fp32 BLAS ("expand + BLAS"), and the fused product that expands panels
+where it multiplies them (native.packed_linear, "fused"; where the build has it). Baselines: torch's fp32 and bf16
+products on the same shapes (the reference's decode is the fp32 GEMV; the compute roof of a prefill is the faster
+of torch's two matmuls here).
 
     .venv/bin/python benchmarks/cpu_kernels.py [--rows 512] [--repeat 20]
 """
@@ -77,20 +79,28 @@ def main() -> None:
           f"bf16 GEMV {base['bf16 gemv']:.3f} ms; {a.rows}-row matmul fp32 {flop / base['fp32 matmul'] / 1e6:.0f} "
           f"GFLOP/s, bf16 {flop / base['bf16 matmul'] / 1e6:.0f} GFLOP/s")  # fmt: skip
     roof = min(base["fp32 matmul"], base["bf16 matmul"])
-    print("| build | kernel | decode ms | GB/s | vs torch fp32 GEMV | prefill GFLOP/s | of the roof |")
+    print("| build | kernel | decode ms | GB/s | vs torch fp32 GEMV | prefill GFLOP/s (expand + BLAS / fused) "
+          "| of the roof (expand + BLAS / fused) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
+    few = max(3, a.repeat // 5)
+    q, s256 = fp8w.q, fp8w.scale256
     for name, lib in builds().items():
         native._lib = lib
+        fused = native.f32_packed_ready()
         rows = []
         for fmt, t in tiles.items():
             dec = best_ms(lambda t=t, fmt=fmt: native.gemv(t, (O, I), fmt, x1), a.repeat)
-            pre = best_ms(lambda t=t, fmt=fmt: xs @ native.dequant_f32(t, (O, I), fmt).T, max(3, a.repeat // 5))
-            rows.append((fmt, dec, t.nbytes, pre))
+            pre = best_ms(lambda t=t, fmt=fmt: xs @ native.dequant_f32(t, (O, I), fmt).T, few)
+            fu = best_ms(lambda t=t, fmt=fmt: native.packed_linear(xs, t, fmt, (O, I)), few) if fused else None
+            rows.append((fmt, dec, t.nbytes, pre, fu))
         dec = best_ms(lambda: fp8w.linear(x1), a.repeat)
-        rows.append(("fp8 dense", dec, O * I, best_ms(lambda: fp8w.linear(xs), max(3, a.repeat // 5))))
-        rows.append(("bf16 rows", best_ms(lambda: bf16w.linear(x1), a.repeat), O * I * 2, None))
-        for kernel, dec, nbytes, pre in rows:
-            pre_s = f"{flop / pre / 1e6:.0f} | {roof / pre:.2f}" if pre else "- | -"
+        pre = best_ms(lambda: xs @ native.fp8_dequant(q, s256, 32).T, few) if lib else None
+        fu = best_ms(lambda: native.packed_linear(xs, q, "fp8", (O, I), s256, 32), few) if fused else None
+        rows.append(("fp8 dense", dec, O * I, pre, fu))
+        rows.append(("bf16 rows", best_ms(lambda: bf16w.linear(x1), a.repeat), O * I * 2, None, None))
+        for kernel, dec, nbytes, pre, fu in rows:
+            cells = [(f"{flop / t / 1e6:.0f}", f"{roof / t:.2f}") if t else ("-", "-") for t in (pre, fu)]
+            pre_s = f"{cells[0][0]} / {cells[1][0]} | {cells[0][1]} / {cells[1][1]}"
             gbs, vs = nbytes / dec / 1e6, base["fp32 gemv"] / dec
             print(f"| {name} | {kernel} | {dec:.3f} | {gbs:.1f} | {vs:.2f}x | {pre_s} |")
     native._lib = None

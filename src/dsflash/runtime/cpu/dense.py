@@ -3,9 +3,11 @@
 Both formats hold the checkpoint's values exactly (FP8 x power-of-two block scale; BF16). Few rows (decode) run
 the native GEMV kernels: fp32 activations, fp32 products, about one read of the weight. Many rows (prefill) expand
 the weight and multiply as matrices, in the prefill matmul mode (runtime.spec.EngineSpec): bf16x2 on AMX (x as
-two bf16 terms, fp32 sums in a fixed order per output; FP8 expands panel by panel inside the product), fp32 on the
-BLAS, or bf16 on the BLAS where every rank computes whole outputs (fp32 where a rank produces partial sums). fp32
-and bf16x2 runs at any TP degree differ from a TP-1 run only in the order partial sums are added.
+two bf16 terms, fp32 sums in a fixed order per output; FP8 expands panel by panel inside the product), fp32
+(native.packed_linear: panels expanded inside the product, fp32 sums in a fixed order per output, on AVX2 /
+AVX-512 F; else the BLAS on a whole expansion), or bf16 on the BLAS where every rank computes whole outputs (fp32
+where a rank produces partial sums). fp32 and bf16x2 runs at any TP degree differ from a TP-1 run only in the order
+partial sums are added.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ class Fp8Weight:
             y = native.amx_packed(flat, self.q, "fp8", tuple(self.q.shape), self.scale256, self.block)
             if y is not None:
                 return y.view(*lead, -1)
+        if self.matmul == torch.float32:  # the same, for the fp32 product (AVX2 / AVX-512 F)
+            y = native.packed_linear(flat, self.q, "fp8", tuple(self.q.shape), self.scale256, self.block)
+            if y is not None:
+                return y.view(*lead, -1)
         w = native.fp8_dequant(self.q, self.scale256, self.block, torch.bfloat16 if amx else self.matmul)
         if amx:
             return native.amx_linear(flat, w).view(*lead, -1)
@@ -120,6 +126,10 @@ class Bf16Weight:
                 return y.view(*lead, -1)
         if self.matmul == native.BF16X2:
             return native.amx_linear(flat, self.w).view(*lead, -1)
+        if self.matmul == torch.float32:  # rows widened to fp32 where multiplied, not the whole matrix first
+            y = native.packed_linear(flat, self.w, "bf16", tuple(self.w.shape))
+            if y is not None:
+                return y.view(*lead, -1)
         return _matmul(flat, self.w, self.matmul).view(*lead, -1)
 
     def rows(self, start: int, stop: int) -> Bf16Weight:

@@ -30,7 +30,7 @@ _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp")
 GENERIC_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-fopenmp")  # no AVX-512: the portable loops
 # the AVX2 + FMA + F16C loops (csrc/simd.h), which a CPU with AVX-512 would otherwise never build: tests force them
 AVX2_FLAGS = ("-O3", "-march=haswell", "-mtune=generic", "-shared", "-fPIC", "-std=c11", "-fopenmp")
-SOURCES, HEADERS = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c", "mhc_cpu.c"), ("simd.h",)
+SOURCES, HEADERS = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c", "mhc_cpu.c", "packed_cpu.c"), ("simd.h",)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
 
@@ -90,6 +90,9 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.amx_linear.argtypes = [p, i, i, p, i, i, i, p]
     lib.amx_linear_packed.argtypes, lib.amx_linear_packed.restype = [i, p, p, i, i, i, p, i, i, p], i
     lib.split_vnni.argtypes = [p, i, i, p, i, i]
+    lib.f32_packed_ready.argtypes, lib.f32_packed_ready.restype = [], i
+    lib.f32_packed_lanes.argtypes, lib.f32_packed_lanes.restype = [], i
+    lib.f32_linear_packed.argtypes, lib.f32_linear_packed.restype = [i, p, p, i, i, i, p, i, p, p], i
     lib.sinkhorn.argtypes = [p, ctypes.c_int64, i, i, ctypes.c_float]
     f = ctypes.c_float
     lib.mhc_mixes.argtypes = [p, ctypes.c_int64, i, i, p, p, p, i, f, f, p]
@@ -478,5 +481,39 @@ def amx_packed(x: torch.Tensor, w, fmt: str, shape: tuple[int, int], scale256=No
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     sp = scale256.data_ptr() if scale256 is not None else None
     if not kern.amx_linear_packed(code, _ptr(w), sp, block, n, k, xv.data_ptr(), mp, x.shape[0], y.data_ptr()):
+        return None
+    return y
+
+
+# ------------------------------------------------------------------------------------- fp32 (prefill without AMX)
+
+PACKED_FMTS = {"fp8": 0, "bf16": 1, "bfp4_b": 3, "bfp8_b": 7}
+
+
+def f32_packed_ready() -> bool:
+    """This build has the fused fp32 product on packed weights (AVX2 + FMA or AVX-512 F: packed_cpu.c)."""
+    k = lib()
+    return bool(k is not None and k.f32_packed_ready())
+
+
+def packed_linear(x: torch.Tensor, w, fmt: str, shape: tuple[int, int], scale256=None, block: int = 0):
+    """x [m, k] fp32 @ W^T for packed W [n, k] -> fp32 [m, n], each thread expanding 32-row panels of W a k-block at
+    a time into a buffer that stays in its caches (packed_cpu.c): exact weights, each output one fp32 chain of fused
+    multiply-adds in k order, the same bits whatever rows, tokens or threads run. fmt "fp8" (w: uint8 [n, k] with
+    scales x 256 of block x block), "bf16" (w: bfloat16 [n, k]), "bfp4_b" / "bfp8_b" (w: the tiles of [n, k]).
+    None where it cannot run (no vector build, shapes the tiles do not cover): expand and multiply instead."""
+    n, k = shape
+    kern = lib()
+    if kern is None or not kern.f32_packed_ready() or x.shape[-1] != k:
+        return None
+    if fmt in MBITS and (n % 32 or k % 32):
+        return None
+    x = x.float().contiguous()
+    m, lanes = x.shape[0], kern.f32_packed_lanes()
+    xp = scratch((-(-m // lanes) * lanes * k,), torch.float32)
+    y = torch.empty(m, n, dtype=torch.float32)
+    sp = scale256.data_ptr() if scale256 is not None else None
+    if not kern.f32_linear_packed(PACKED_FMTS[fmt], _ptr(w), sp, block, n, k, x.data_ptr(), m, xp.data_ptr(),
+                                  y.data_ptr()):  # fmt: skip
         return None
     return y

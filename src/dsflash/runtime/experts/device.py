@@ -35,6 +35,9 @@ CPU_SLOT_SHARE = 0.5
 # 1.01 at 4 rows, 1.51 vs 1.03 at 6, 2.85 vs 1.21 at 16): a real model's prefill gives most experts 2-20 tokens.
 GEMV_MAX_ROWS = 16
 AMX_GEMV_MAX_ROWS = 4
+# likewise for the fp32 product with panels expanded where multiplied (native.packed_linear; 2 cores, AVX2, [2304,
+# 5120] bfp4_b: GEMV 3.1 ms vs 3.0 at 6 rows, 4.2 vs 3.0 at 8, 8.0 vs 3.1 at 16)
+F32_GEMV_MAX_ROWS = 6
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,13 @@ def expert_sum(
     return y
 
 
+def gemv_rows(dtype) -> int:
+    """The most rows of x an expert's product takes as GEMVs on the tiles in this prefill mode; more are matrices."""
+    if dtype == native.BF16X2 and native.amx_ready():
+        return AMX_GEMV_MAX_ROWS
+    return F32_GEMV_MAX_ROWS if dtype == torch.float32 and native.f32_packed_ready() else GEMV_MAX_ROWS
+
+
 def host_available() -> int:
     """Bytes the host can hand out without swapping: MemAvailable (free pages plus reclaimable page cache)."""
     try:
@@ -148,9 +158,10 @@ class CpuDevice:
     """Slots in process memory; experts computed by the native block-float kernels (runtime/cpu/native.py).
 
     Few tokens per expert (decode): fused GEMVs straight on the tiles, fp32 activations. Many (prefill): the tiles
-    expand (exactly) and multiply as matrices in `matmul_dtype`: fp32 (the BLAS), native.BF16X2 (AMX, fp32-grade
-    activations; the tiles expand panel by panel inside the product) or bf16 (the BLAS in bf16 for w1 and w3; w2,
-    whose outputs are partial sums, then in fp32).
+    expand (exactly) and multiply as matrices in `matmul_dtype`: fp32 (native.packed_linear, the tiles expanded
+    panel by panel inside the product; the BLAS on a whole expansion without AVX2), native.BF16X2 (AMX, fp32-grade
+    activations; panels as well) or bf16 (the BLAS in bf16 for w1 and w3; w2, whose outputs are partial sums, then
+    in fp32).
     """
 
     name = "cpu"
@@ -216,13 +227,14 @@ class CpuDevice:
             return mem[m.offset : m.offset + m.nbytes]
 
         def apply(m: PackedMatrix, a: torch.Tensor, dtype) -> torch.Tensor:
-            if a.shape[0] <= (AMX_GEMV_MAX_ROWS if dtype == native.BF16X2 and native.amx_ready() else GEMV_MAX_ROWS):
+            if a.shape[0] <= gemv_rows(dtype):
                 return native.gemv(view(m), (m.rows, m.cols), fmt, a)
             if dtype == native.BF16X2:
                 y = native.amx_packed(a, view(m), fmt, (m.rows, m.cols))  # panels expanded where multiplied
                 return y if y is not None else native.amx_linear(a, native.dequant_bf16(view(m), (m.rows, m.cols), fmt))
-            if dtype == torch.float32:
-                return F.linear(a.float(), native.dequant_f32(view(m), (m.rows, m.cols), fmt))
+            if dtype == torch.float32:  # panels expanded where multiplied (AVX2 / AVX-512), else the whole matrix
+                y = native.packed_linear(a, view(m), fmt, (m.rows, m.cols))
+                return y if y is not None else F.linear(a.float(), native.dequant_f32(view(m), (m.rows, m.cols), fmt))
             w = native.dequant_bf16(view(m), (m.rows, m.cols), fmt)
             return F.linear(a.to(torch.bfloat16), w).float()
 

@@ -513,18 +513,19 @@ static inline void store16(void *out, size_t at, int bf16, const float *v) {
 }
 #endif
 
-/* tile row ti of W -> its 32 rows at out (row-major, leading dimension tc * 32), fp32 or bfloat16 (bf16 != 0) */
-static void expand_tile_row(const uint8_t *tiles, int tc, int m, const float *sc, int ti, void *out, int bf16) {
+/* tiles [tj0, tj1) of tile row ti of W -> their 32 rows at out (row-major, `width` values apart; column 32 tj0 of W
+ * at out's column 0), fp32 or bfloat16 (bf16 != 0) */
+static void expand_tiles(const uint8_t *tiles, int tc, int m, const float *sc, int ti, int tj0, int tj1, void *out,
+                         size_t width, int bf16) {
     const int tb = tile_bytes(m), fb = face_bytes(m), rb = row_bytes(m);
-    const size_t width = (size_t)tc * 32;
     float v[16];
     (void)v;
-    for (int tj = 0; tj < tc; tj++) {
+    for (int tj = tj0; tj < tj1; tj++) {
         const uint8_t *t = tiles + ((size_t)ti * tc + tj) * tb;
         for (int f = 0; f < 4; f++) {
             const uint8_t *d = t + 64 + f * fb;
             for (int r = 0; r < 16; r++) {
-                size_t at = (size_t)((f >> 1) * 16 + r) * width + tj * 32 + (f & 1) * 16;
+                size_t at = (size_t)((f >> 1) * 16 + r) * width + (tj - tj0) * 32 + (f & 1) * 16;
                 float s = sc[t[16 * f + r]];
 #ifdef __AVX512F__
                 store16(out, at, bf16, _mm512_mul_ps(decode_row_avx512(d + r * rb, m), _mm512_set1_ps(s)));
@@ -549,6 +550,11 @@ static void expand_tile_row(const uint8_t *tiles, int tc, int m, const float *sc
     }
 }
 
+/* tile row ti of W -> its 32 rows at out (row-major, leading dimension tc * 32) */
+static void expand_tile_row(const uint8_t *tiles, int tc, int m, const float *sc, int ti, void *out, int bf16) {
+    expand_tiles(tiles, tc, m, sc, ti, 0, tc, out, (size_t)tc * 32, bf16);
+}
+
 /* W rows of tile rows [tr0, tr1) -> row-major [tr*32, tc*32], fp32 or bfloat16 (bf16 != 0), for matrix products. */
 void bfp_expand(const uint8_t *tiles, int tr, int tc, int m, void *out, int bf16, int tr0, int tr1) {
     const size_t panel = (size_t)32 * tc * 32 * (bf16 ? 2 : 4); /* bytes of one tile row's expansion */
@@ -564,4 +570,13 @@ void bfp_panel_bf16(const uint8_t *tiles, int tc, int m, int ti, uint16_t *out) 
     float sc[256];
     scales(m, sc);
     expand_tile_row(tiles, tc, m, sc, ti, out, 1);
+}
+
+/* the 256 scales 2^(E - 127 - (m - 1)) of a format's exponents, for bfp_block_f32 */
+void bfp_scale_table(int m, float *sc) { scales(m, sc); }
+
+/* tiles [tj0, tj1) of tile row ti -> 32 fp32 rows of 32 (tj1 - tj0) values, ld apart: one k-block of a panel of a
+ * fused fp32 product (packed_cpu.c); sc from bfp_scale_table */
+void bfp_block_f32(const uint8_t *tiles, int tc, int m, const float *sc, int ti, int tj0, int tj1, float *out, int ld) {
+    expand_tiles(tiles, tc, m, sc, ti, tj0, tj1, out, (size_t)ld, 0);
 }

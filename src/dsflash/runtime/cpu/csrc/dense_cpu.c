@@ -472,6 +472,20 @@ void fp8_expand(const uint8_t *w, const float *scale, int O, int I, int B, void 
                    bf16);
 }
 
+/* FP8 rows [r0, r0 + 32) x columns [c0, c1) -> 32 fp32 rows at out, ld apart (rows past O zero): one k-block of a
+ * panel of a fused fp32 product (packed_cpu.c); c0 a multiple of B */
+void fp8_block_f32(const uint8_t *w, const float *scale, int O, int I, int B, int r0, int c0, int c1, float *out,
+                   int ld) {
+    const int nbc = (I + B - 1) / B;
+    for (int o = r0; o < r0 + 32; o++) {
+        float *dst = out + (size_t)(o - r0) * ld;
+        if (o < O)
+            expand_row(w + (size_t)o * I + c0, scale + (size_t)(o / B) * nbc + c0 / B, c1 - c0, B, dst, 0);
+        else
+            memset(dst, 0, (size_t)(c1 - c0) * 4);
+    }
+}
+
 /* FP8 rows [r0, r0 + 32) -> 32 bfloat16 rows at out (rows past O zero): one panel of a fused product */
 void fp8_panel_bf16(const uint8_t *w, const float *scale, int O, int I, int B, int r0, uint16_t *out) {
     const int nbc = (I + B - 1) / B;
