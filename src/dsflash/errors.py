@@ -45,6 +45,10 @@ class NotReady(DsflashError):
     """The engine is still loading."""
 
 
+class OutOfMemory(DsflashError):
+    """One request needed more memory than the host (or GPU) had; it failed alone and the engine goes on."""
+
+
 class EngineDead(DsflashError):
     """A rank or the engine thread died; the engine cannot serve any more requests."""
 

@@ -135,3 +135,45 @@ def test_engine_thread_runs_requests_in_order(tiny, engine):
     for t in threads:
         t.join()
     assert order == [0, 1]
+
+
+class _ShortOfMemory:
+    """A runner whose host runs out of memory on any pass past position 64 (as torch's CPU allocator says it)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, tokens, start_pos, all_logits):
+        if start_pos + len(tokens) > 64:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory")
+        return self.inner.forward(tokens, start_pos, all_logits)
+
+
+def test_a_prefill_out_of_memory_fails_that_request_alone(tiny):
+    """The request is told why and what to change (a 503 at the API); the next request runs as on a fresh engine."""
+    from dsflash.errors import OutOfMemory
+    from dsflash.server.errors import classify
+
+    engine = Engine(_ShortOfMemory(ModelRunner(tiny.ref, max_len=256)), eos_ids={1}, prefill_chunk=32).start()
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        with pytest.raises(OutOfMemory) as err:
+            _tokens(engine.submit(GenerationRequest(tuple(tiny.tokens[:100]), params)))
+        assert "100-token prompt" in str(err.value) and "--prefill-chunk" in str(err.value)
+        status, body, _ = classify(err.value)
+        assert (
+            status == 503
+            and body["error"]["code"] == "out_of_memory"
+            and "ran out of memory" in body["error"]["message"]
+        )
+        got = _tokens(engine.submit(GenerationRequest(tuple(tiny.tokens[:40]), params)))
+    finally:
+        engine.close()
+    fresh = Engine(ModelRunner(tiny.ref, max_len=256), eos_ids={1}, prefill_chunk=32).start()
+    try:
+        assert got == _tokens(fresh.submit(GenerationRequest(tuple(tiny.tokens[:40]), params)))
+    finally:
+        fresh.close()

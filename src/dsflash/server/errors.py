@@ -11,6 +11,7 @@ from dsflash.errors import (
     InvalidRequest,
     ModelSourceError,
     NotReady,
+    OutOfMemory,
     Overloaded,
     UnsupportedInput,
 )
@@ -39,6 +40,7 @@ _TABLE: list[tuple[type[BaseException], tuple[int, str, str | None]]] = [
     (ModelSourceError, (404, "invalid_request_error", "model_not_found")),  # a model this server does not serve
     (Overloaded, (429, "rate_limit_error", "queue_full")),
     (NotReady, (503, "unavailable_error", "not_ready")),
+    (OutOfMemory, (503, "server_error", "out_of_memory")),  # that request alone: the server goes on
     (EngineDead, (503, "server_error", "engine_dead")),
 ]
 INTERNAL = (500, "server_error", None)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from dsflash.errors import EngineDead
-from dsflash.runtime.scheduler.engine import Engine, _prompt_logprobs
+from dsflash.runtime.scheduler.engine import Engine, _prompt_logprobs, request_error
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, StepStats, TokenEvent
 from dsflash.runtime.scheduler.sampler import Sampler, SamplingParams
 
@@ -311,6 +311,7 @@ class BatchEngine(Engine):
     def _fail(self, seq: Seq, e: Exception) -> None:
         log.exception("request %s failed", seq.handle.request.request_id, exc_info=e)
         self.counters["failed"] += 1
+        e = request_error(e, seq.handle.request)
         seq.handle.close(e)
         self._leave(seq)
         self._orphan(seq, lambda b: b.close(e))

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from dsflash.counters import ExpertCounters
-from dsflash.errors import EngineDead, InvalidRequest, NotReady
+from dsflash.errors import EngineDead, InvalidRequest, NotReady, OutOfMemory
 from dsflash.runtime.prefix.cache import salt_digest
 from dsflash.runtime.scheduler import speculative as spec_decode
 from dsflash.runtime.scheduler.queue import GenerationRequest, Handle, RequestQueue, StepStats, TokenEvent
@@ -144,7 +144,7 @@ class Engine:
                 except Exception as e:  # one request's failure (e.g. in sampling) must not stop the engine
                     log.exception("request %s failed", handle.request.request_id)
                     self.counters["failed"] += 1
-                    handle.close(e)
+                    handle.close(request_error(e, handle.request))
                 finally:
                     self.current = None
                 handle = None
@@ -263,6 +263,21 @@ class Engine:
         self.counters[key] += 1
         handle.put(event)
         handle.close()
+
+
+def request_error(e: Exception, request: GenerationRequest) -> Exception:
+    """What a failed request is told: an allocation that failed (host MemoryError, torch's CPU allocator or CUDA out
+    of memory) becomes OutOfMemory with its cause and what to change; anything else as it was. The next request
+    starts from a reset (or restored) state, so nothing of the failed one stays."""
+    text = str(e)
+    if isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+    ):
+        return OutOfMemory(
+            f"this request ran out of memory ({len(request.prompt):,}-token prompt): send a shorter prompt, or start "
+            "the server with a smaller --prefill-chunk or --max-model-len"
+        )
+    return e
 
 
 def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], start: int, k: int) -> list:
