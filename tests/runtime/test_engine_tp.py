@@ -1,6 +1,7 @@
 """The engine (slot LRU over the bfp store, tensor-parallel ranks over gloo) against the CPU reference."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -203,3 +204,53 @@ def test_gates_at_another_tp_build_their_own_store_and_keep_the_first(tmp_path, 
     assert {p.name: p.stat().st_mtime_ns for p in beside.iterdir()} == built  # found again, not rebuilt
     assert {p.name: p.stat().st_mtime_ns for p in weights.iterdir()} == before
     assert StoreManifest.read(weights).geometry.tp == 1
+
+
+def test_a_failed_step_on_either_rank_fails_that_request_alone(cache):
+    """An allocation that fails on rank 1 (its address space capped at what it holds) and one that fails on rank 0
+    while rank 1 waits in a collective: each time that request gets OutOfMemory, the ranks rejoin, and the next
+    request gives what it gave before."""
+    import resource
+
+    from dsflash.errors import OutOfMemory
+    from dsflash.runtime.scheduler.engine import Engine
+    from dsflash.runtime.scheduler.queue import GenerationRequest
+    from dsflash.runtime.scheduler.sampler import SamplingParams
+
+    files = open_dir(ROOT / "tiny_a" / "model")
+    runner = start_engine(files.ckpt, files.token_map, 2048, gate_spec(tp=2, cache_dir=cache))
+    engine = Engine(runner, eos_ids={1}).start()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    short, long = tuple(range(5, 45)), tuple(5 + i % 500 for i in range(1500))
+
+    def run(prompt):
+        return [e.token for e in engine.submit(GenerationRequest(prompt, params)) if e.token is not None]
+
+    try:
+        want = run(short)
+        rank1 = runner.procs[0].pid
+        _, hard = resource.prlimit(rank1, resource.RLIMIT_AS)
+        status = Path(f"/proc/{rank1}/status").read_text().splitlines()
+        held = int(next(ln for ln in status if ln.startswith("VmSize")).split()[1]) * 1024
+        resource.prlimit(rank1, resource.RLIMIT_AS, (held, hard))
+        try:
+            with pytest.raises(OutOfMemory):
+                run(long)
+        finally:
+            resource.prlimit(rank1, resource.RLIMIT_AS, (hard, hard))
+        assert run(short) == want
+
+        forward = runner.rank0.forward
+
+        def short_of_memory(tokens, start_pos, last_only=False, verify=False):
+            if tokens.shape[1] > 100:  # after the header: rank 1 is in the forward, waiting for rank 0
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+            return forward(tokens, start_pos, last_only, verify)
+
+        runner.rank0.forward = short_of_memory
+        with pytest.raises(OutOfMemory):
+            run(long)
+        assert run(short) == want and engine.alive and all(p.is_alive() for p in runner.procs)
+    finally:
+        engine.close()
+        runner.close()

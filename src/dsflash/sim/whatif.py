@@ -31,6 +31,8 @@ LEVERS = [
     Lever("copies overlap compute", Policy(overlap=True)),
     Lever("copies overlap compute + prefetch (pre-gating, 80% right)", Policy(overlap=True, prefetch=True)),
     Lever("token-major prefill (expert-major off)", Policy(expert_major=False)),
+    Lever("expert-major prefill in 512-token chunks (dsflash's default)", box={"prefill_chunk": 512}),
+    Lever("expert-major prefill in 2048-token chunks", box={"prefill_chunk": 2048}),
     Lever("slot map on the device: no host round trip per layer", box={"layer_sync": 0.0}),
     Lever("page-cache misses at NVMe sequential rate (12 GB/s)", box=FAST_COLD),
     Lever("host RAM holds the whole store (340 GB page cache)", box=BIG_RAM),

@@ -6,7 +6,11 @@ follower that takes the engine options from rank 0. Followers loop on a broadcas
 stop, and snapshot / restore / drop of the decode state by a key (each rank keeps its own shard's snapshots; a
 small all-reduce sums their bytes, or agrees that every rank could load its part). A rank that dies breaks the
 next collective on rank 0, which then fails with EngineDead naming it: never a hang (under torchrun, its agent
-also ends the others when one fails).
+also ends the others when one fails). A step that fails on a living rank (an allocation that fails in a long
+prefill) fails alone: every rank leaves the gloo group, which ends the collectives the others wait in, tells rank 0
+why over its pipe and joins the group rank 0 starts anew; rank 0 raises the cause for that step's request
+(RankFailed) and the engine goes on. NCCL groups and torchrun's ranks cannot be rebuilt that way: there a failed
+step still ends the engine.
 
 Step messages and start-up travel over a gloo group (host tensors and objects); the model's collectives over NCCL
 when every rank has a GPU of its own, else over the same gloo group (runtime.tp.rank.rank_device, model.parallel.TP).
@@ -44,6 +48,17 @@ HEADER = 4
 KEEP, WRITE, FROM_DISK, MEMORY, DISK = 1, 2, 4, 8, 16  # the snapshot ops' flags
 # a collective stuck this long means a peer hangs (a dead peer fails at once: its sockets close)
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+# after a failed step, how long each rank has to reach its next collective and report (one layer's work at most)
+REPORT_TIMEOUT_S = 120
+
+
+class RankFailed(RuntimeError):
+    """A step failed on a rank that lives on; the ranks have rejoined, and only that step's request fails."""
+
+
+def _link_broken(e: BaseException) -> bool:
+    """A collective that ended because a peer left the group, not this rank's own failure."""
+    return isinstance(e, RuntimeError) and "gloo/transport" in str(e)
 
 
 def _free_port() -> int:
@@ -80,7 +95,8 @@ def worker_main(rank: int, world: int, init_method: str, job: tuple, token_map, 
         ready.send(f"rank {rank}: {type(e).__name__}: {e}")
         return
     ready.send("ok")
-    _follow_until_stopped(rt, rank)
+    # an NCCL group cannot be rebuilt in place (rank 0 ends the engine instead): leave after a failed step
+    _follow_until_stopped(rt, rank, (world, ready) if rt.tp.group is None else None)
 
 
 def torchrun_follower() -> int:
@@ -123,15 +139,37 @@ def _gather_status(rank: int, world: int, step) -> tuple[list, Exception | None]
     return statuses, error
 
 
-def _follow_until_stopped(rt: RankRuntime, rank: int) -> None:
+def _follow_until_stopped(rt: RankRuntime, rank: int, rejoin: tuple | None = None) -> None:
+    """follow() until STOP; after a failed step, rejoin (world, pipe to rank 0) where given, else leave."""
     try:
-        follow(rt)
-    except RuntimeError as e:  # rank 0 went away mid-collective
-        log.warning("rank %d: leaving: %s", rank, e)
+        while True:
+            try:
+                follow(rt)
+                return
+            except Exception as e:
+                if rejoin is None or not _rejoin(rank, *rejoin, e):
+                    log.warning("rank %d: leaving: %s", rank, e)
+                    return
     finally:
         rt.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _rejoin(rank: int, world: int, pipe, e: Exception) -> bool:
+    """Leave the group (every rank waiting in one of its collectives fails at once), tell rank 0 what failed, join
+    the group it starts anew -> False where rank 0 is gone or says stop."""
+    try:
+        dist.destroy_process_group()
+        pipe.send(("link" if _link_broken(e) else "failed", f"rank {rank}: {type(e).__name__}: {e}"))
+        init = pipe.recv()
+        if init is None:
+            return False
+        _join(rank, world, init)
+    except Exception as err:  # rank 0 gone, or this rank cannot even report: leave (rank 0 sees it exit)
+        log.warning("rank %d: cannot rejoin after %s: %s", rank, e, err)
+        return False
+    return True
 
 
 def follow(rt: RankRuntime) -> None:
@@ -225,7 +263,7 @@ class TPRunner:
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         for rank in range(1, self.world):
-            parent, child = ctx.Pipe(duplex=False)
+            parent, child = ctx.Pipe()  # start-up report, then failed steps
             p = ctx.Process(
                 target=worker_main,
                 args=(rank, self.world, init, job, token_map, child),
@@ -306,10 +344,46 @@ class TPRunner:
         if self.world == 1:
             return
         header = torch.tensor([op, start_pos, n, int(last_only)], dtype=torch.int64)
+        dist.broadcast(header, src=0)
+
+    def _guarded(self, op: int, a: int, n: int, flag: int, payload, run):
+        """Header, payload broadcast (if any), then rank 0's own call; a failure on any rank -> _failed()."""
         try:
-            dist.broadcast(header, src=0)
-        except RuntimeError as e:
-            raise self._dead(e) from None
+            self._step(op, a, n, flag)
+            if self.world > 1 and payload is not None:
+                dist.broadcast(payload, src=0)
+            return run()
+        except EngineDead:
+            raise
+        except Exception as e:
+            if self.world == 1:
+                raise
+            raise self._failed(e) from e
+
+    def _failed(self, e: Exception) -> Exception:
+        """A step failed on some rank: EngineDead where a rank is gone or the group cannot be rebuilt (NCCL,
+        torchrun); otherwise every rank joins a new group and the step's cause comes back as RankFailed."""
+        if any(not p.is_alive() for p in self.procs) or not self._pipes or self.tp.group is not None:
+            return self._dead(e)
+        dist.destroy_process_group()  # ends the collectives the other ranks wait in
+        causes = [] if _link_broken(e) else [f"rank 0: {type(e).__name__}: {e}"]
+        for rank, pipe in enumerate(self._pipes, start=1):
+            try:
+                kind, text = pipe.recv() if pipe.poll(REPORT_TIMEOUT_S) else (None, None)
+            except (EOFError, OSError):
+                kind = None
+            if kind is None:
+                self._kill()
+                return EngineDead(f"rank {rank} did not report after a failed step; the engine cannot continue ({e})")
+            if kind == "failed":
+                causes.append(text)
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        for pipe in self._pipes:
+            pipe.send(init)
+        _join(0, self.world, init)
+        cause = causes[0] if causes else f"a tensor-parallel step failed: {e}"
+        log.warning("tensor-parallel step failed (%s); the ranks rejoined and the engine goes on", cause)
+        return RankFailed(cause)
 
     def _dead(self, err: Exception) -> EngineDead:
         gone = [f"rank {i} (exit code {p.exitcode})" for i, p in enumerate(self.procs, start=1) if not p.is_alive()]
@@ -317,41 +391,25 @@ class TPRunner:
         return EngineDead(f"{what} stopped; the engine cannot continue ({err})")
 
     def reset(self) -> None:
-        self._step(RESET)
-        self.rank0.reset()
+        self._guarded(RESET, 0, 0, 0, None, self.rank0.reset)
 
     def forward(self, tokens: list[int], start_pos: int, all_logits: bool) -> torch.Tensor:
         t = torch.tensor([tokens], dtype=torch.int64)
-        self._step(FORWARD, start_pos, len(tokens), not all_logits)
-        try:
-            if self.world > 1:
-                dist.broadcast(t, src=0)
-            logits = self.rank0.forward(t, start_pos, not all_logits)[0].cpu()
-        except RuntimeError as e:
-            if self.world > 1 and any(not p.is_alive() for p in self.procs):
-                raise self._dead(e) from None
-            raise
-        return logits
+        return self._guarded(
+            FORWARD, start_pos, len(tokens), not all_logits, t,
+            lambda: self.rank0.forward(t, start_pos, not all_logits)[0].cpu(),
+        )  # fmt: skip
 
     def select(self, seq: int) -> None:
         """The sequence slot every rank's reset / forward / snapshot / restore apply to from now on."""
         if not 0 <= seq < self.n_seqs:
             raise ValueError(f"sequence slot {seq} outside 0..{self.n_seqs - 1}")
-        self._step(SELECT, seq)
-        self.rank0.select(seq)
+        self._guarded(SELECT, seq, 0, 0, None, lambda: self.rank0.select(seq))
 
     def decode(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
         """One decode token for each of several sequence slots, on every rank -> fp32 logits [B, V]."""
         batch = torch.tensor([tokens, positions, seqs], dtype=torch.int64)
-        self._step(DECODE, 0, len(tokens))
-        try:
-            if self.world > 1:
-                dist.broadcast(batch, src=0)
-            return self.rank0.decode(tokens, positions, seqs).cpu()
-        except RuntimeError as e:
-            if self.world > 1 and any(not p.is_alive() for p in self.procs):
-                raise self._dead(e) from None
-            raise
+        return self._guarded(DECODE, 0, len(tokens), 0, batch, lambda: self.rank0.decode(tokens, positions, seqs).cpu())
 
     # ---- speculative decoding (runtime/scheduler/speculative.py): every rank drafts and verifies ----
     @property
@@ -373,18 +431,6 @@ class TPRunner:
         out = self._guarded(DRAFT, pos, k, token, t, lambda: self.rank0.draft(token, pos, k, _sampling(t)))
         return None if out is None else (out[0].tolist(), out[1].cpu())
 
-    def _guarded(self, op: int, a: int, n: int, flag: int, payload, run):
-        """Header, payload broadcast (if any), then rank 0's own call; a dead peer becomes EngineDead."""
-        self._step(op, a, n, flag)
-        try:
-            if self.world > 1 and payload is not None:
-                dist.broadcast(payload, src=0)
-            return run()
-        except RuntimeError as e:
-            if self.world > 1 and any(not p.is_alive() for p in self.procs):
-                raise self._dead(e) from None
-            raise
-
     # ---- prefix snapshots (runtime/prefix/cache.SnapshotRunner) ----
     @property
     def snapshot_identity(self) -> dict | None:
@@ -396,26 +442,17 @@ class TPRunner:
 
     def snapshot(self, key: int, keep: bool, write: bool, tokens, salt: str) -> Taken:
         flags = KEEP * keep | WRITE * write
-        return self._collective(SNAPSHOT, 0, key, flags, lambda: _snapshot(self.rank0.shelf, key, flags, tokens, salt))
+        run = lambda: _snapshot(self.rank0.shelf, key, flags, tokens, salt)  # noqa: E731
+        return self._guarded(SNAPSHOT, 0, key, flags, None, run)
 
     def restore(self, key: int, length: int, from_disk: bool, keep: bool) -> bool:
         flags = FROM_DISK * from_disk | KEEP * keep
-        return self._collective(
-            RESTORE, length, key, flags, lambda: _restore(self.rank0.shelf, key, length, flags, self.rank0.speculation)
-        )
+        run = lambda: _restore(self.rank0.shelf, key, length, flags, self.rank0.speculation)  # noqa: E731
+        return self._guarded(RESTORE, length, key, flags, None, run)
 
     def drop(self, key: int, memory: bool, disk: bool) -> None:
         flags = MEMORY * memory | DISK * disk
-        self._collective(DROP, 0, key, flags, lambda: self.rank0.shelf.drop(key, memory, disk))
-
-    def _collective(self, op: int, a: int, key: int, flags: int, run):
-        self._step(op, a, key, flags)
-        try:
-            return run()
-        except RuntimeError as e:
-            if self.world > 1 and any(not p.is_alive() for p in self.procs):
-                raise self._dead(e) from None
-            raise
+        self._guarded(DROP, 0, key, flags, None, lambda: self.rank0.shelf.drop(key, memory, disk))
 
     def counters(self) -> ExpertCounters:
         """Rank 0's lookups (every rank makes the same slot choices), the bytes of all ranks."""
@@ -430,7 +467,7 @@ class TPRunner:
         if self.closed:  # once: a failed step closes the ranks, and its caller's cleanup may close them again
             return
         self.closed = True
-        with contextlib.suppress(EngineDead):  # a dead peer needs no stop message
+        with contextlib.suppress(RuntimeError):  # a dead peer needs no stop message
             self._step(STOP)
         for p in self.procs:
             p.join(timeout=30)
