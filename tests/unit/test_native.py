@@ -58,6 +58,15 @@ def test_bfp_gemv_and_expansion(kernels, fmt):
         torch.testing.assert_close(native.gemv(tiles, (96, 160), fmt, x), x @ want.T, atol=1e-5, rtol=1e-5)
     assert torch.equal(native.dequant_f32(tiles, (96, 160), fmt), want)
     assert torch.equal(native.dequant_bf16(tiles, (96, 160), fmt).float(), want)
+    # a batched decode step's rows (groups of 4, 3, 2 and 1 on AVX2) each have the bits of that vector alone
+    x = torch.randn(9, 160)
+    for n in (2, 3, 4, 5, 7, 9):
+        got = native.gemv(tiles, (96, 160), fmt, x[:n])
+        alone = torch.cat([native.gemv(tiles, (96, 160), fmt, x[i : i + 1]) for i in range(n)])
+        if kernels in ("avx2", "generic") or (kernels == "native" and not AVX512):
+            assert torch.equal(got, alone), n
+        else:  # the AVX-512 build's one-vector loops differ from its batched ones in fp32 sum order only
+            torch.testing.assert_close(got, alone, atol=1e-6, rtol=1e-5)
 
 
 def test_fp8_and_bf16_dense(kernels):
@@ -112,6 +121,25 @@ def test_decode_gemv_rows_do_not_depend_on_their_neighbours(kernels):
     tiles = bfp.pack(exact[:64].numpy(), "bfp4_b")
     half = bfp.pack(exact[32:64].numpy(), "bfp4_b")
     assert torch.equal(native.gemv(tiles, (64, 256), "bfp4_b", x)[:, 32:], native.gemv(half, (32, 256), "bfp4_b", x))
+
+
+def test_a_batched_fp8_gemv_row_is_that_vector_alone(kernels):
+    """A batched decode step's dense products (2-11 vectors: one and two passes of the AVX2 build's 8) give each
+    vector the bits of its one-vector call there, so a batch changes no stream's dense math; elsewhere fp32 noise."""
+    w = torch.randn(100, 256) * 0.03  # 100 rows: 32-row scale blocks and a ragged last one, split over 2 threads
+    q, s = fp8.quant_block(w, 32)
+    W = Fp8Weight(q.view(torch.uint8), s.float() * 1.37, 32)  # scales off powers of two: x * s rounds
+    if kernels == "none":
+        return  # no GEMV: the torch fallback multiplies the expansion (test_fp8_and_bf16_dense)
+    bitwise = kernels == "avx2" or (kernels == "native" and HAS_AVX2 and not AVX512)
+    for n in (2, 3, 8, 11):
+        x = torch.randn(n, 256)
+        got = native.fp8_gemv(W.q, W.scale256, 32, x)
+        alone = torch.cat([native.fp8_gemv(W.q, W.scale256, 32, x[i : i + 1]) for i in range(n)])
+        if bitwise:
+            assert torch.equal(got, alone), n
+        else:
+            torch.testing.assert_close(got, alone, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["bfp4_b", "bfp8_b"])

@@ -56,7 +56,7 @@ static inline __m512 decode_row_avx512(const uint8_t *d, int m) {
 }
 #endif
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(DSF_AVX2)
 /* The decode kernels do a few instructions per byte, and one core's hardware prefetcher alone keeps too few lines
  * in flight to feed them: asking for the tile a few tiles ahead took the bfp4_b GEMV from 11.7 to 15.1 GB/s and
  * bfp8_b's from 11.4 to 14.1 on 2 cores (fp8_gemv, four rows in flight, gained nothing from it). A prefetch past
@@ -64,6 +64,9 @@ static inline __m512 decode_row_avx512(const uint8_t *d, int m) {
 #define PREFETCH_AHEAD 4
 #define PREFETCH_TILE(p, n)                                                                                            \
     for (int l_ = 0; l_ < (n); l_ += 64) _mm_prefetch((const char *)(p) + l_, _MM_HINT_T0)
+#endif
+
+#ifdef __AVX512F__
 
 /* The tile PREFETCH_AHEAD tiles after tile tj of a tile row at t: past the row's end, the row read next, `next`
  * (NULL: the following row of the same matrix). A decode MoE alternates matrices and experts row by row, and each
@@ -244,9 +247,11 @@ static inline __attribute__((always_inline)) void rows_avx2(const uint8_t *row, 
     for (int i = 0; i < R * K; i++) acc[i] = _mm256_setzero_ps();
     for (int tj = 0; tj < tc; tj++) {
         const uint8_t *t = row + (size_t)tj * tb;
+        if (h == 0 && r0 == 0) /* the first pass over the tile row brings it in (the rest find it in L2) */
+            PREFETCH_TILE(t + PREFETCH_AHEAD * tb, tb);
         for (int fc = 0; fc < 2; fc++) {
             const int f = 2 * h + fc;
-            __m256 xl[2], xh[2];
+            __m256 xl[4], xh[4];
             for (int k = 0; k < K; k++) {
                 xl[k] = _mm256_loadu_ps(x[k] + tj * 32 + fc * 16);
                 xh[k] = _mm256_loadu_ps(x[k] + tj * 32 + fc * 16 + 8);
@@ -288,6 +293,18 @@ static inline void row32x2_avx2(const uint8_t *tiles, int tc, int m, const float
     for (int q = 0; q < 8; q++) {
         float *ys[2] = {y0 + 4 * q, y1 + 4 * q};
         rows_avx2(row, tc, m, sc, xs, 2, q >> 2, 4 * (q & 3), 4, ys);
+    }
+}
+
+/* tile row ti against K = 3 or 4 vectors -> 32 outputs each, two rows at a time (a row decoded once for all K) */
+static inline __attribute__((always_inline)) void row32xk_avx2(const uint8_t *tiles, int tc, int m, const float *sc,
+                                                                const float *x, int in, int ti, float *y, int out,
+                                                                const int K) {
+    const uint8_t *row = tiles + (size_t)ti * tc * tile_bytes(m);
+    const float *xs[4] = {x, x + in, x + 2 * (size_t)in, x + 3 * (size_t)in};
+    for (int q = 0; q < 16; q++) {
+        float *ys[4] = {y + 2 * q, y + out + 2 * q, y + 2 * (size_t)out + 2 * q, y + 3 * (size_t)out + 2 * q};
+        rows_avx2(row, tc, m, sc, xs, K, q >> 3, 2 * (q & 7), 2, ys);
     }
 }
 #endif
@@ -371,6 +388,12 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
 #pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc * nx > PARALLEL_TILES)
     for (int ti = tr0; ti < tr1; ti++) {
         int k = 0;
+        for (; k + 4 <= nx; k += 4)
+            row32xk_avx2(tiles, tc, m, sc, x + (size_t)k * in, in, ti, y + (size_t)k * out + ti * 32, out, 4);
+        if (nx - k == 3) {
+            row32xk_avx2(tiles, tc, m, sc, x + (size_t)k * in, in, ti, y + (size_t)k * out + ti * 32, out, 3);
+            k += 3;
+        }
         for (; k + 2 <= nx; k += 2) {
             const float *x0 = x + (size_t)k * in;
             row32x2_avx2(tiles, tc, m, sc, x0, x0 + in, ti, y + (size_t)k * out + ti * 32,

@@ -5,6 +5,7 @@
  * y[k, o] = sum_i W[o, i] x[k, i] for rows [r0, r1); x [nx, I], y [nx, O]. Built like bfp_cpu.c. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PARALLEL_ELEMENTS (1 << 18) /* smaller matrices run on one thread */
@@ -189,6 +190,79 @@ static void fp8_gemv1(const uint8_t *w, const float *scale, int O, int I, int B,
 }
 #endif
 
+#ifdef DSF_AVX2
+#define FP8_VECS 8    /* vectors one decoded row serves at once: their accumulators and the row's halves fit */
+#define FP8_UNIT 32   /* rows a thread takes at a time (within one scale block where B is a multiple of 32) */
+#define FP8_XS 4096   /* floats of scaled vectors per column tile: 16 KB, which stays in L1 beside the rows */
+/* one row's tile of tl columns against K scaled vectors (xs, K x T), accumulators in ao (K x 8) */
+static inline __attribute__((always_inline)) void fp8_tile(const uint8_t *row, const uint8_t *next, int tl,
+                                                           const float *xs, int T, float *ao, const int K) {
+    __m256 a[FP8_VECS];
+    for (int k = 0; k < K; k++) a[k] = _mm256_load_ps(ao + 8 * k);
+    for (int c = 0; c < tl; c += 16) {
+        if ((c & 63) == 0) _mm_prefetch((const char *)(next + c), _MM_HINT_T0);
+        __m256 lo, hi;
+        e4m3x16(row + c, &lo, &hi);
+        for (int k = 0; k < K; k++)
+            a[k] = _mm256_fmadd_ps(hi, _mm256_load_ps(xs + k * T + c + 8), _mm256_fmadd_ps(lo, _mm256_load_ps(xs + k * T + c), a[k]));
+    }
+    for (int k = 0; k < K; k++) _mm256_store_ps(ao + 8 * k, a[k]);
+}
+
+/* nx > 1 vectors (a batched decode step's rows): each weight row is decoded once for up to FP8_VECS vectors, where
+ * fp8_row decoded it once per pair. Every output is fp8_rows1's chain (x times the block scale, then the same FMAs
+ * in column order, then hsum8), so row k of a batch equals the one-vector call on x[k] bit for bit. Columns go in
+ * tiles whose scaled vectors stay in L1 for a unit of rows; the rows' accumulators wait in memory between tiles
+ * (stored and reloaded whole: the bits do not change). */
+static void fp8_gemv_vecs(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int nx, float *y,
+                          int r0, int r1) {
+    const int nbc = I / B, unit = B % FP8_UNIT == 0 ? FP8_UNIT : B;
+    const int u0 = r0 / unit, u1 = (r1 + unit - 1) / unit;
+    (void)O;
+#pragma omp parallel if ((size_t)(r1 - r0) * I * nx > PARALLEL_ELEMENTS)
+    {
+        float *xs = aligned_alloc(32, sizeof(float) * FP8_XS);
+        float *am = aligned_alloc(32, sizeof(float) * 8 * FP8_VECS * (size_t)unit);
+        for (int k0 = 0; k0 < nx; k0 += FP8_VECS) {
+            const int K = nx - k0 < FP8_VECS ? nx - k0 : FP8_VECS;
+            const int T = (FP8_XS / K) & ~15;
+#pragma omp for schedule(static)
+            for (int u = u0; u < u1; u++) {
+                const int o0 = u * unit > r0 ? u * unit : r0, o1 = (u + 1) * unit < r1 ? (u + 1) * unit : r1;
+                const float *sr = scale + (size_t)(o0 / B) * nbc;
+                memset(am, 0, sizeof(float) * 8 * K * (size_t)(o1 - o0));
+                for (int t = 0; t < I; t += T) {
+                    const int tl = I - t < T ? I - t : T;
+                    for (int k = 0; k < K; k++)
+                        for (int c = 0; c < tl; c += 8)
+                            _mm256_store_ps(xs + k * T + c, _mm256_mul_ps(_mm256_loadu_ps(x + (size_t)(k0 + k) * I + t + c),
+                                                                          _mm256_set1_ps(sr[(t + c) / B])));
+                    for (int o = o0; o < o1; o++) {
+                        const uint8_t *row = w + (size_t)o * I + t, *next = row + (o + 4 < o1 ? 4 * I : 0);
+                        float *ao = am + (size_t)(o - o0) * 8 * K;
+                        switch (K) { /* constant K: the accumulators stay in registers */
+                        case 1: fp8_tile(row, next, tl, xs, T, ao, 1); break;
+                        case 2: fp8_tile(row, next, tl, xs, T, ao, 2); break;
+                        case 3: fp8_tile(row, next, tl, xs, T, ao, 3); break;
+                        case 4: fp8_tile(row, next, tl, xs, T, ao, 4); break;
+                        case 5: fp8_tile(row, next, tl, xs, T, ao, 5); break;
+                        case 6: fp8_tile(row, next, tl, xs, T, ao, 6); break;
+                        case 7: fp8_tile(row, next, tl, xs, T, ao, 7); break;
+                        default: fp8_tile(row, next, tl, xs, T, ao, 8); break;
+                        }
+                    }
+                }
+                for (int o = o0; o < o1; o++)
+                    for (int k = 0; k < K; k++)
+                        y[(size_t)(k0 + k) * O + o] = hsum8(_mm256_load_ps(am + (size_t)(o - o0) * 8 * K + 8 * k));
+            }
+        }
+        free(xs);
+        free(am);
+    }
+}
+#endif
+
 /* fp32 scale per block, pre-multiplied by 2^8 for the vector decode above */
 void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int nx, float *y, int r0,
               int r1) {
@@ -196,6 +270,12 @@ void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const f
 #ifdef FP8_VECTOR
     if (nx == 1 && B % FP8_LANES == 0 && I % B == 0) {
         fp8_gemv1(w, scale, O, I, B, x, y, r0, r1);
+        return;
+    }
+#endif
+#ifdef DSF_AVX2
+    if (B % FP8_LANES == 0 && I % B == 0) {
+        fp8_gemv_vecs(w, scale, O, I, B, x, nx, y, r0, r1);
         return;
     }
 #endif
