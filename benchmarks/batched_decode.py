@@ -12,6 +12,7 @@ of at most --max-num-batched-tokens (minus the decoding streams) between decode 
 consecutive tokens over that window are reported against their median.
 
     .venv/bin/python benchmarks/batched_decode.py [--steps N] [--slots S] [--long-prompt T] [--budget B]
+        [--skip-latency | --skip-throughput] [--threads N]
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=2048)
     ap.add_argument("--budget", type=int, default=40, help="--max-num-batched-tokens of the latency part")
     ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--skip-throughput", action="store_true", help="only the latency part")
     args = ap.parse_args()
     model_dir = generated("real4x32", real_width_config(4, 32))
     max_len = args.long_prompt + 2 * args.prompt + args.steps + 64
@@ -144,7 +146,7 @@ def main() -> None:
         dense = dense_bytes(rank.model) + decode_bytes(rank.model)
         shard = rank.experts.layout.nbytes
         rows, one = {}, None
-        for b in STREAMS:
+        for b in () if args.skip_throughput else STREAMS:
             r = decode_rate(runner, [prompt(args.prompt) for _ in range(b)], args.steps)
             agg = b * args.steps / r["seconds"]
             rows[b] = {

@@ -469,6 +469,9 @@ class TPRunner:
         self.closed = True
         with contextlib.suppress(RuntimeError):  # a dead peer needs no stop message
             self._step(STOP)
+        for pipe in self._pipes:  # a rank waiting to rejoin after a failed step nobody noticed: leave
+            with contextlib.suppress(OSError):
+                pipe.send(None)
         for p in self.procs:
             p.join(timeout=30)
         self._kill()
