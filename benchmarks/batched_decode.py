@@ -74,7 +74,9 @@ def admission_gaps(runner, chunk: int, budget: int, prompt: list[int], long_prom
     """One stream decoding while long_prompt is admitted: its inter-token gaps over the admission window."""
     engine = BatchEngine(runner, set(), prefill_chunk=chunk, max_num_batched_tokens=budget).start()
     try:
-        stream = engine.submit(GenerationRequest(tuple(prompt), SamplingParams(temperature=0, max_tokens=100000,
+        # as many tokens as its slot holds: the stream outlasts the admission, then it is cancelled
+        most = runner.max_len - len(prompt)
+        stream = engine.submit(GenerationRequest(tuple(prompt), SamplingParams(temperature=0, max_tokens=most,
                                                                                ignore_eos=True)))  # fmt: skip
         times: list[float] = []
         window: dict[str, float] = {}

@@ -220,3 +220,10 @@ def _prefix_restores_into_each_slot(rec, runner, spec, requests, solo):
         assert events[0].stats.cached_tokens == want[k][0][0].stats.cached_tokens > 0, k
         assert _tokens(events) == _tokens(want[k][0]), k
         _assert_rows_match(rec.rows, k, want[k][1])
+    # the first turns again (a regenerate): each prompt is held whole with its last logits, so nothing is prefilled
+    again, _ = _batch(rec, [requests[i] for i in picked], prefix=cache)
+    for k, i in enumerate(picked):
+        assert again[k][0].stats.cached_tokens == len(requests[i].prompt), k
+        assert _tokens(again[k]) == _tokens(solo[i][0]), k
+        # the slot computed decode positions only (a prefill's last position would be the prompt's last)
+        assert min(pos for slot, pos in rec.rows if slot == k) == len(requests[i].prompt), k

@@ -151,6 +151,30 @@ def test_a_salt_keeps_prefixes_apart(reference):
     assert same[0].stats.cached_tokens == len(prompt)  # alice's prompt-end snapshot
 
 
+def test_a_repeated_prompt_starts_from_its_held_logits(reference):
+    """A regenerate or the next of n choices one after another: the prompt-end snapshot keeps the prompt's last
+    logits, so the same prompt again prefills nothing and gives the same tokens and logits; a longer prompt
+    prefills its rest as before."""
+    rec = Recording(ModelRunner(reference, max_len=256))
+    cache = PrefixCache(rec, 1 << 30, block=BLOCK)
+    engine = Engine(rec, {1}, prefill_chunk=CHUNK, prefix=cache).start()
+    prompt, p = tuple(range(5, 105)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+
+    def run(tokens):
+        rec.rows = {}
+        events = list(engine.submit(GenerationRequest(tokens, p)))
+        return [(e.token, e.logprob, e.top) for e in events], events[0].stats.cached_tokens, dict(rec.rows)
+
+    try:
+        first, again, longer = run(prompt), run(prompt), run(prompt + (9,))
+    finally:
+        engine.close()
+    assert first[1] == 0 and again[1] == len(prompt) and longer[1] == len(prompt)
+    assert again[0] == first[0]  # tokens, logprobs and alternatives
+    assert min(again[2]) == len(prompt)  # decode positions only: the prompt was not prefilled
+    assert min(longer[2]) == len(prompt)
+
+
 def test_prompt_logprobs_requests_prefill_everything(reference):
     runner = ModelRunner(reference, max_len=256)
     cache = PrefixCache(runner, 1 << 30, block=BLOCK)

@@ -355,10 +355,14 @@ def test_usage_reports_cached_prompt_tokens_everywhere(client, model):
     r = client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"cache_salt": "b"})
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     stream = client.chat.completions.create(
-        model=model, messages=Q, max_tokens=2, stream=True, stream_options={"include_usage": True}
-    )
+        model=model, messages=Q, max_tokens=2, stream=True, stream_options={"include_usage": True},
+        extra_body={"cache_salt": "c"},
+    )  # fmt: skip
     last = list(stream)[-1]
     assert last.choices == [] and last.usage.prompt_tokens_details.cached_tokens == 0
+    # the same request again (a regenerate): its prompt is held whole, with its last logits
+    again = client.chat.completions.create(model=model, messages=Q, max_tokens=2, extra_body={"cache_salt": "a"})
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens > 0
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=Q, max_tokens=2, extra_body={"cache_salt": 7})
     assert e.value.param == "cache_salt"

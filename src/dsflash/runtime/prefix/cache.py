@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from dsflash.runtime.prefix import files
 from dsflash.runtime.prefix.shelf import Taken
 from dsflash.runtime.spec import default_prefix_gb
@@ -57,6 +59,9 @@ class Entry:
     disk: int = 0  # bytes of every rank's file while on disk, else 0
     used: int = 0  # the LRU clock when last saved or restored
     pins: int = 0  # > 0 while a restore reads it: never evicted then
+    # the logits after the last token (rank 0, while in memory): a request for exactly these tokens (a regenerate,
+    # the next of n choices) then starts sampling from them with nothing to prefill
+    logits: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -89,9 +94,12 @@ class PrefixCache:
         return out
 
     def lookup(self, salt: str, prompt) -> Entry | None:
-        """The deepest snapshot whose tokens are a prefix of prompt and leave at least its last token to prefill
-        (its logits start the generation)."""
+        """The whole prompt where it is held with its last logits, else the deepest snapshot whose tokens are a
+        prefix of prompt and leave at least its last token to prefill (its logits start the generation)."""
         self.counts["lookups"] += 1
+        whole = self.entries.get(prefix_key(salt, prompt))
+        if whole is not None and whole.logits is not None and whole.memory and whole.tokens == tuple(prompt):
+            return whole
         limit = len(prompt) - 1
         chain = self._chain(prompt, max(limit, 0))
         for k in range(len(chain) - 1, -1, -1):
@@ -122,13 +130,16 @@ class PrefixCache:
         return entry.length
 
     # ---- saving -------------------------------------------------------------------------------------------------
-    def save(self, salt: str, tokens) -> None:
-        """Snapshot the runner's state, which has consumed exactly `tokens`, unless that prefix is held already."""
+    def save(self, salt: str, tokens, logits: torch.Tensor | None = None) -> None:
+        """Snapshot the runner's state, which has consumed exactly `tokens`, unless that prefix is held already;
+        logits: those after the last token, kept beside it while it is in memory."""
         tokens = tuple(tokens)
         key = prefix_key(salt, tokens)
         have = self.entries.get(key)
         if have is not None and have.tokens == tokens:
             self._touch(have)
+            if logits is not None and have.memory and have.logits is None:
+                self._keep_logits(have, logits)
             return
         if have is not None:  # a 63-bit collision: the newer prefix takes the name
             self._forget(have, drop=True)
@@ -146,8 +157,14 @@ class PrefixCache:
         if not (entry.memory or entry.disk):
             return
         self._add(entry)
+        if logits is not None and entry.memory:
+            self._keep_logits(entry, logits)
         self._room_in_memory(0)  # the estimate was short: evict the difference now
         self._room_on_disk(0)
+
+    def _keep_logits(self, e: Entry, logits: torch.Tensor) -> None:
+        e.logits = logits.detach().float().clone()
+        e.memory += e.logits.numel() * e.logits.element_size()  # counted against the cap with the snapshot
 
     # ---- budgets ------------------------------------------------------------------------------------------------
     # tuple(): /metrics reads these from an HTTP thread while the engine thread changes the index
@@ -179,6 +196,8 @@ class PrefixCache:
             e = min(victims, key=lambda v: v.used)
             self.runner.drop(e.key, memory=tier == "memory", disk=tier == "disk")
             setattr(e, tier, 0)
+            if tier == "memory":
+                e.logits = None
             self.counts["evictions"] += 1
             if not getattr(e, other):
                 self._forget(e, drop=False)

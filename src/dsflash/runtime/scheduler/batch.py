@@ -289,10 +289,13 @@ class BatchEngine(Engine):
         """The slot's state set to the deepest cached prefix of the prompt (prompt logprobs: none), else reset."""
         self._select(seq.slot)
         asked = seq.handle.request.params.prompt_logprobs
-        seq.pos = seq.cached = self._restore(seq.handle.request) if asked is None else 0
+        seq.pos, held = self._restore(seq.handle.request) if asked is None else (0, None)
+        seq.cached = seq.pos
         if not seq.pos:
             self.runner.reset()
         seq.lps = [None] if asked is not None else None
+        if held is not None:  # the whole prompt, with its last logits: nothing to prefill
+            self._prefilled(seq, held)
 
     def _select(self, slot: int) -> None:
         if self._selected != slot:
@@ -384,11 +387,16 @@ class BatchEngine(Engine):
             if self.prefix is not None and end % self.prefix.block == 0:
                 self._save(req, prompt[:end])
             return
+        self._prefilled(seq, logits[-1])
+
+    def _prefilled(self, seq: Seq, last: torch.Tensor) -> None:
+        """The prompt is in the slot's state (prefilled or restored whole) and `last` its last logits."""
+        prompt, req = list(seq.prompt), seq.handle.request
         self.counters["prompt_tokens"] += len(prompt)
         self.counters["cached_tokens"] += seq.cached
         if seq.lps is not None:
             seq.lps = seq.lps[: len(prompt)]
-        seq.last = logits[-1]
+        seq.last = last
         seq.stats = StepStats(seq.experts_start, self.runner.counters(), ttft_s=time.perf_counter() - seq.t0,
                               cached_tokens=seq.cached)  # fmt: skip
         if req.params.max_tokens == 0:  # only the prompt was scored (echo + logprobs)
@@ -399,7 +407,7 @@ class BatchEngine(Engine):
                 seq.group.pending = []
                 self._groups.remove(seq.group)
             self._leave(seq)
-            self._save(req, prompt)
+            self._save(req, prompt, last)
             return
         if seq.group is not None:
             self._share_prompt(seq, seq.last)
@@ -437,7 +445,7 @@ class BatchEngine(Engine):
     def _emit(self, seq: Seq) -> None:
         """Sample the sequence's next token from its last logits and send it; it finishes or waits to be fed."""
         req, params = seq.handle.request, seq.handle.request.params
-        s, index = seq.sampler(seq.last), seq.index
+        s, index, first = seq.sampler(seq.last), seq.index, seq.last
         seq.last = None
         stop = (s.token in self.eos_ids and not params.ignore_eos) or s.token in params.stop_token_ids
         done = "stop" if stop else ("length" if index + 1 == params.max_tokens else None)
@@ -451,14 +459,14 @@ class BatchEngine(Engine):
             if index == 0:
                 self._leave(seq)
                 self._select(seq.slot)
-                self._save(req, req.prompt)
+                self._save(req, req.prompt, first)
             else:
                 self._end(seq)
             return
         seq.handle.put(event)
-        if index == 0:  # after the first token went out: TTFT does not wait for the copy
+        if index == 0:  # after the first token went out: TTFT does not wait for the copy (nor for the logits')
             self._select(seq.slot)
-            self._save(req, req.prompt)
+            self._save(req, req.prompt, first)
         if seq.handle.cancelled:
             self._finish(seq.handle, TokenEvent(None, index + 1, finish_reason="cancelled"))
             self._end(seq)

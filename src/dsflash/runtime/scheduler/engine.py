@@ -179,7 +179,7 @@ class Engine:
     def _decode(self, handle: Handle, last, prompt_lp, stats: StepStats, fed: list[int]) -> None:
         req, params = handle.request, handle.request.params
         sampler, experts_start = Sampler(params), stats.experts_start
-        pos = len(req.prompt)
+        pos, first = len(req.prompt), last  # the prompt-end snapshot keeps the prompt's last logits
         for index in range(params.max_tokens):
             s = sampler(last)
             stop = (s.token in self.eos_ids and not params.ignore_eos) or s.token in params.stop_token_ids
@@ -191,11 +191,11 @@ class Engine:
             if done:
                 self._finish(handle, event)
                 if index == 0:
-                    self._save(req, req.prompt)
+                    self._save(req, req.prompt, first)
                 return
             handle.put(event)
             if index == 0:  # after the first token went out: TTFT does not wait for the copy
-                self._save(req, req.prompt)
+                self._save(req, req.prompt, first)
             if handle.cancelled:
                 return self._finish(handle, TokenEvent(None, index + 1, finish_reason="cancelled"))
             t = time.perf_counter()
@@ -205,7 +205,7 @@ class Engine:
             stats = StepStats(experts_start, self.runner.counters(), step_s=time.perf_counter() - t)
         # max_tokens == 0: only the prompt was scored (echo + logprobs)
         self._finish(handle, TokenEvent(None, 0, finish_reason="length", prompt_logprobs=prompt_lp, stats=stats))
-        self._save(req, req.prompt)
+        self._save(req, req.prompt, first)
 
     def _decode_speculative(self, handle: Handle, last, prompt_lp, stats: StepStats, fed: list[int]) -> None:
         spec_decode.decode(self, handle, last, prompt_lp, stats, fed)
@@ -221,7 +221,9 @@ class Engine:
     def _prefill(self, handle: Handle, prompt: list[int], prompt_logprobs: int | None):
         """Chunked prefill from the deepest snapshot of a prefix (none where every position's logits are asked
         for) -> (last logits [V], prompt logprobs or None, tokens restored), or None when cancelled."""
-        start = self._restore(handle.request) if prompt_logprobs is None else 0
+        start, held = self._restore(handle.request) if prompt_logprobs is None else (0, None)
+        if held is not None:  # the whole prompt, with its last logits: nothing to prefill
+            return held, None, start
         if not start:
             self.runner.reset()
         lps = [None] if prompt_logprobs is not None else None
@@ -243,20 +245,22 @@ class Engine:
             pos = end
         return logits[-1], (lps[: len(prompt)] if lps is not None else None), start
 
-    def _restore(self, req: GenerationRequest) -> int:
-        """The runner's state set to the deepest cached prefix of the prompt -> its length (0: none)."""
+    def _restore(self, req: GenerationRequest) -> tuple[int, torch.Tensor | None]:
+        """The runner's state set to the deepest cached prefix of the prompt -> (its length, 0: none; the logits
+        after it where that is the whole prompt, else None)."""
         if self.prefix is None:
-            return 0
+            return 0, None
         salt = salt_digest(req.cache_salt)
         while (entry := self.prefix.lookup(salt, req.prompt)) is not None:
+            logits = entry.logits
             restored = self.prefix.restore(entry)  # 0: a bad file, now forgotten: the next deepest is tried
             if restored:
-                return restored
-        return 0
+                return restored, (logits if restored == len(req.prompt) else None)
+        return 0, None
 
-    def _save(self, req: GenerationRequest, tokens) -> None:
+    def _save(self, req: GenerationRequest, tokens, logits: torch.Tensor | None = None) -> None:
         if self.prefix is not None:
-            self.prefix.save(salt_digest(req.cache_salt), tokens)
+            self.prefix.save(salt_digest(req.cache_salt), tokens, logits)
 
     def _finish(self, handle: Handle, event: TokenEvent) -> None:
         key = {"cancelled": "cancelled"}.get(event.finish_reason, "completed")
