@@ -288,3 +288,30 @@ def test_counters_reach_metrics_and_the_bench_reads_them(monkeypatch):
     monkeypatch.setattr(client, "get_text", lambda base, path, headers: text)
     got = _speculation(Target("http://x", {}, "m", None))
     assert got["spec_verifies"] == 4 and got["spec_accepted_tokens"] == 6 and got["spec_mean_accepted"] == 1.5
+
+
+def test_speculation_over_restored_prefixes_is_plain_decoding(tmp_path):
+    """With the prefix cache: a prompt restored whole (its held logits, no prefill to seed the draft head) and one
+    restored in part decode as the first run did, drafting every step they can."""
+    from dsflash.runtime.prefix.cache import prefix_cache
+    from dsflash.runtime.tp.launch import start_engine
+    from tests.model.conftest import ROOT
+
+    files = open_dir(ROOT / "tiny_a" / "model")
+    spec = EngineSpec(expert_format="bfp8_b", cache_dir=str(tmp_path), speculative="dspark", prefix_cache_gb=1.0)
+    runner = start_engine(files.ckpt, files.token_map, 128, spec)
+    try:
+        prompt = list(range(7, 30))
+        engine = Engine(runner, eos_ids=set(), num_speculative_tokens=0, prefix=prefix_cache(runner, spec))
+        engine.costs = AlwaysDraft()
+        engine.start()
+        first = [e.token for e in _run(engine, prompt, max_tokens=12)]
+        again = _run(engine, prompt, max_tokens=12)
+        longer = _run(engine, prompt + first[:3], max_tokens=6)
+        stats = engine.speculative_stats()
+        engine.close()
+    finally:
+        runner.close()
+    assert again[0].stats.cached_tokens == len(prompt) and [e.token for e in again] == first
+    assert longer[0].stats.cached_tokens == len(prompt) and [e.token for e in longer] == first[3:9]
+    assert stats["spec_verifies"] >= 8

@@ -96,10 +96,10 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
     """Engine._decode with speculation: the same events, stops and finish reasons, fewer target forwards."""
     req, params, runner = handle.request, handle.request.params, engine.runner
     sampler, experts_start, counters = Sampler(params), stats.experts_start, engine.counters
-    guard, first = Guard(engine.costs), last  # the prompt-end snapshot keeps the prompt's last logits
+    guard, prompt_last = Guard(engine.costs), last  # the prompt-end snapshot keeps them
     if params.max_tokens == 0:  # only the prompt was scored (echo + logprobs)
         engine._finish(handle, TokenEvent(None, 0, finish_reason="length", prompt_logprobs=prompt_lp, stats=stats))
-        return engine._save(req, req.prompt, first)
+        return engine._save(req, req.prompt, prompt_last)
     index = 0
 
     def emit(s: Sample, step_stats: StepStats) -> bool:
@@ -117,7 +117,7 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
         else:
             handle.put(event)
         if index == 1:  # after the first token went out: TTFT does not wait for the copy
-            engine._save(req, req.prompt, first)
+            engine._save(req, req.prompt, prompt_last)
         return done is not None
 
     coupled = not params.greedy and params.seed is not None
