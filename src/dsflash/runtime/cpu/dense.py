@@ -28,7 +28,9 @@ AMX_GEMV_MAX_ROWS = {"fp8": 4, "bf16": 1}
 
 
 def _gemv_rows(matmul, fmt: str) -> int:
-    return AMX_GEMV_MAX_ROWS[fmt] if matmul == native.BF16X2 and native.amx_ready() else GEMV_MAX_ROWS
+    if matmul == native.BF16X2 and native.amx_ready():
+        return AMX_GEMV_MAX_ROWS[fmt]
+    return native.fp8_gemv_max_rows(GEMV_MAX_ROWS) if fmt == "fp8" else GEMV_MAX_ROWS
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -169,7 +171,7 @@ class ScreenedHead:
         """x [..., d] -> fp32 logits [..., vocab], gathered over tp's ranks (each holds a vocabulary slice)."""
         flat, lead = _rows(x)
         screen = None
-        if flat.shape[0] <= _gemv_rows(self.screen.matmul, "fp8"):
+        if flat.shape[0] <= min(_gemv_rows(self.screen.matmul, "fp8"), GEMV_MAX_ROWS):  # decode steps only
             screen = native.fp8_gemv(self.screen.q, self.screen.scale256, self.screen.block, flat)
         if screen is None:
             return tp.all_gather_last(self.exact.linear(flat))[:, :vocab].view(*lead, vocab)

@@ -92,6 +92,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.split_vnni.argtypes = [p, i, i, p, i, i]
     lib.f32_packed_ready.argtypes, lib.f32_packed_ready.restype = [], i
     lib.f32_packed_lanes.argtypes, lib.f32_packed_lanes.restype = [], i
+    lib.fp8_gemv_max_rows.argtypes, lib.fp8_gemv_max_rows.restype = [], i
     lib.f32_linear_packed.argtypes, lib.f32_linear_packed.restype = [i, p, p, i, i, i, p, i, p, p], i
     lib.sinkhorn.argtypes = [p, ctypes.c_int64, i, i, ctypes.c_float]
     f = ctypes.c_float
@@ -207,6 +208,12 @@ def fp8_gemv(w: torch.Tensor, scale256: torch.Tensor, block: int, x: torch.Tenso
     y = torch.empty(x.shape[0], O, dtype=torch.float32)
     k.fp8_gemv(w.data_ptr(), scale256.data_ptr(), O, I, block, x.data_ptr(), x.shape[0], y.data_ptr(), 0, O)
     return y
+
+
+def fp8_gemv_max_rows(default: int) -> int:
+    """The most rows fp8_gemv is the faster product for in the loaded build (default: without kernels)."""
+    k = lib()
+    return default if k is None else int(k.fp8_gemv_max_rows())
 
 
 def fp8_gemv_grouped(w: torch.Tensor, scale256: torch.Tensor, block: int, x: torch.Tensor) -> torch.Tensor | None:

@@ -263,6 +263,16 @@ static void fp8_gemv_vecs(const uint8_t *w, const float *scale, int O, int I, in
 }
 #endif
 
+/* the most rows fp8_gemv beats the fused panel product at in this build (docs/performance.md): the AVX2 build
+ * decodes a row once for up to 8 vectors, the others once per pair */
+int fp8_gemv_max_rows(void) {
+#ifdef DSF_AVX2
+    return 24;
+#else
+    return 8;
+#endif
+}
+
 /* fp32 scale per block, pre-multiplied by 2^8 for the vector decode above */
 void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int nx, float *y, int r0,
               int r1) {
