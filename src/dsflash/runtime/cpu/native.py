@@ -93,6 +93,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.f32_packed_ready.argtypes, lib.f32_packed_ready.restype = [], i
     lib.f32_packed_lanes.argtypes, lib.f32_packed_lanes.restype = [], i
     lib.fp8_gemv_max_rows.argtypes, lib.fp8_gemv_max_rows.restype = [], i
+    lib.fp8_rows = lib.fp8_gemv_max_rows()  # asked once: every dense product consults it
     lib.f32_linear_packed.argtypes, lib.f32_linear_packed.restype = [i, p, p, i, i, i, p, i, p, p], i
     lib.sinkhorn.argtypes = [p, ctypes.c_int64, i, i, ctypes.c_float]
     f = ctypes.c_float
@@ -213,7 +214,7 @@ def fp8_gemv(w: torch.Tensor, scale256: torch.Tensor, block: int, x: torch.Tenso
 def fp8_gemv_max_rows(default: int) -> int:
     """The most rows fp8_gemv is the faster product for in the loaded build (default: without kernels)."""
     k = lib()
-    return default if k is None else int(k.fp8_gemv_max_rows())
+    return default if k is None else k.fp8_rows
 
 
 def fp8_gemv_grouped(w: torch.Tensor, scale256: torch.Tensor, block: int, x: torch.Tensor) -> torch.Tensor | None:

@@ -5,7 +5,6 @@
  * y[k, o] = sum_i W[o, i] x[k, i] for rows [r0, r1); x [nx, I], y [nx, O]. Built like bfp_cpu.c. */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #define PARALLEL_ELEMENTS (1 << 18) /* smaller matrices run on one thread */
@@ -221,8 +220,8 @@ static void fp8_gemv_vecs(const uint8_t *w, const float *scale, int O, int I, in
     (void)O;
 #pragma omp parallel if ((size_t)(r1 - r0) * I * nx > PARALLEL_ELEMENTS)
     {
-        float *xs = aligned_alloc(32, sizeof(float) * FP8_XS);
-        float *am = aligned_alloc(32, sizeof(float) * 8 * FP8_VECS * (size_t)unit);
+        float xs[FP8_XS] __attribute__((aligned(32))); /* on each thread's stack: nothing to allocate or free */
+        float am[8 * FP8_VECS * unit] __attribute__((aligned(32)));
         for (int k0 = 0; k0 < nx; k0 += FP8_VECS) {
             const int K = nx - k0 < FP8_VECS ? nx - k0 : FP8_VECS;
             const int T = (FP8_XS / K) & ~15;
@@ -257,8 +256,6 @@ static void fp8_gemv_vecs(const uint8_t *w, const float *scale, int O, int I, in
                         y[(size_t)(k0 + k) * O + o] = hsum8(_mm256_load_ps(am + (size_t)(o - o0) * 8 * K + 8 * k));
             }
         }
-        free(xs);
-        free(am);
     }
 }
 #endif
