@@ -77,6 +77,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.bfp_gemv.argtypes = [p, i, i, i, p, i, p, i, i]
     lib.bfp_expand.argtypes = [p, i, i, i, p, i, i, i]
+    lib.swiglu_rows.argtypes = [p, p, p, ctypes.c_int64, i, ctypes.c_float, p]
     i64 = ctypes.c_int64
     lib.bfp_moe_decode.argtypes = [p, i, i, i64, i64, i64, i, i, i, p, p, ctypes.c_float, p, p]
     lib.fp8_gemv.argtypes = [p, p, i, i, i, p, i, p, i, i]
@@ -170,6 +171,22 @@ def moe_decode(
     k.bfp_moe_decode(ptrs, n, MBITS[layout.fmt], w1.offset, w3.offset, w2.offset, tr13, tc13, w2.rows // 32,
                      xs.data_ptr(), wts.data_ptr(), limit, work.data_ptr(), y.data_ptr())  # fmt: skip
     return y
+
+
+SWIGLU_MAX_ROWS = 16  # rows up to which swiglu() is worth its scalar loop: a decode batch's, not a prefill's
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, weights: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """model.experts.swiglu(gate, up, limit) * weights ([t, n] fp32, weights [t, 1]) with moe_decode's operations,
+    so an expert product outside that call has its bits. None without kernels."""
+    k = lib()
+    if k is None or gate.dtype != torch.float32 or gate.device.type != "cpu" or gate.shape[0] > SWIGLU_MAX_ROWS:
+        return None
+    g, u = gate.contiguous(), up.float().contiguous()
+    w = weights.reshape(-1).float().contiguous()
+    h = torch.empty_like(g)
+    k.swiglu_rows(g.data_ptr(), u.data_ptr(), w.data_ptr(), g.shape[0], g.shape[1], limit, h.data_ptr())
+    return h
 
 
 def dequant_f32(tiles: np.ndarray | torch.Tensor, shape: tuple[int, int], fmt: str) -> torch.Tensor:

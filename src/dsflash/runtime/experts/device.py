@@ -239,5 +239,8 @@ class CpuDevice:
             return F.linear(a.to(torch.bfloat16), w).float()
 
         # w1 / w3 give whole intermediate rows on every rank; w2's outputs are partial sums: fp32 (TP-invariant)
-        h = swiglu(apply(layout.w1, x, self.matmul_dtype), apply(layout.w3, x, self.matmul_dtype), limit) * w
+        g, u = apply(layout.w1, x, self.matmul_dtype), apply(layout.w3, x, self.matmul_dtype)
+        h = native.swiglu(g, u, w, limit)  # moe_decode's activation: a batched token gets its solo bits
+        if h is None:
+            h = swiglu(g, u, limit) * w
         return apply(layout.w2, h, torch.float32 if self.matmul_dtype == torch.bfloat16 else self.matmul_dtype)

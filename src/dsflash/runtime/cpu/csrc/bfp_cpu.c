@@ -10,6 +10,7 @@
  * AVX2 CPUs (simd.h's DSF_AVX2) have their own loops; the generic loops are the fallback everywhere else. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -195,6 +196,93 @@ static void gemv1_bfp4(const uint8_t *tiles, int tc, const float *xq, float *y, 
     }
 }
 
+/* rows_bfp4 for one tile row t against K <= 4 vectors (put_q4 form): each row's four face pairs decoded once for
+ * all of them. The tile row goes in two halves (faces 0-1, then 2-3), each with its own four accumulators a
+ * vector, so that a vector's every accumulator takes rows_bfp4's operations in rows_bfp4's order: a batched
+ * decode step's vector gets the bits it gets alone. next: the row read after this one (prefetched). */
+static inline __attribute__((always_inline)) void rows_bfp4_vecs(const uint8_t *t, const uint8_t *next, int tc,
+                                                                 const float *const *xq, float *const *y,
+                                                                 const int K) {
+    const int tb = tile_bytes(3), fb = face_bytes(3);
+    const __m512i lut = _mm512_loadu_si512(BFP4_BF16);
+    const __m512i hiword = _mm512_set1_epi32((int)0xFFFF0000u), e255 = _mm512_set1_epi32(255);
+    const __m512 big = _mm512_set1_ps(0x1p126f), quarter = _mm512_set1_ps(0.25f);
+    for (int h = 0; h < 2; h++) {
+        __m512 acc[4][4];
+        for (int v = 0; v < K; v++)
+            for (int k = 0; k < 4; k++) acc[v][k] = _mm512_setzero_ps();
+        for (int tj = 0; tj < tc; tj++) {
+            const uint8_t *tile = t + (size_t)tj * tb;
+            PREFETCH_TILE(h ? ahead(tile, tj, tc, tb, next) : tile + PREFETCH_AHEAD * tb, tb);
+            for (int fh = 0; fh < 2; fh++) {
+                const int f = 2 * h + fh;
+                const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16 * f)));
+                __m512 sf = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), quarter);
+                sf = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, e255), sf, big);
+                const uint8_t *d = tile + 64 + f * fb;
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++) {
+                    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(d + 32 * k)));
+                    const __m512i lo = _mm512_permutexvar_epi16(w, lut);
+                    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+                    const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
+                    const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+                    const __m512 w2 = _mm512_castsi512_ps(_mm512_and_si512(lo, hiword));
+                    const __m512 w3 = _mm512_castsi512_ps(_mm512_and_si512(hi, hiword));
+                    const __m512i rows = _mm512_setr_epi32(4 * k, 4 * k, 4 * k, 4 * k, 4 * k + 1, 4 * k + 1, 4 * k + 1,
+                                                           4 * k + 1, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2,
+                                                           4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3);
+                    const __m512 sk = _mm512_permutexvar_ps(rows, sf);
+                    for (int v = 0; v < K; v++) {
+                        const float *xs = xq[v] + (size_t)(2 * tj + (f & 1)) * 64;
+                        __m512 p = _mm512_mul_ps(w0, _mm512_loadu_ps(xs));
+                        p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs + 16), p);
+                        p = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xs + 32), p);
+                        p = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xs + 48), p);
+                        acc[v][k] = _mm512_fmadd_ps(p, sk, acc[v][k]);
+                    }
+                }
+            }
+        }
+        for (int v = 0; v < K; v++)
+            for (int k = 0; k < 4; k++) { /* rows_bfp4's reduction */
+                __m512 a = _mm512_add_ps(acc[v][k], _mm512_permute_ps(acc[v][k], 0xB1));
+                a = _mm512_add_ps(a, _mm512_permute_ps(a, 0x4E));
+                _mm_storeu_ps(y[v] + 16 * h + 4 * k, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, a)));
+            }
+    }
+}
+
+static inline void put_q4(const float *x16, float *seg64);
+
+/* tile rows [tr0, tr1) against nx vectors x [nx, 32 tc] -> y [nx, out], as nx calls of the one-vector loop give
+ * them; xq: nx * 128 tc floats of scratch for put_q4's form */
+static void gemvk_bfp4(const uint8_t *tiles, int tc, const float *x, int nx, float *xq, float *y, int out, int tr0,
+                       int tr1) {
+    const size_t rowb = (size_t)tc * tile_bytes(3), in = (size_t)tc * 32, qn = (size_t)tc * 128;
+    for (int k = 0; k < nx; k++)
+        for (int s = 0; s < 2 * tc; s++) put_q4(x + k * in + s * 16, xq + k * qn + s * 64);
+#pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
+    for (int ti = tr0; ti < tr1; ti++) {
+        const uint8_t *t = tiles + ti * rowb;
+        for (int k0 = 0; k0 < nx; k0 += 4) {
+            const int kn = nx - k0 < 4 ? nx - k0 : 4;
+            const float *xs[4];
+            float *ys[4];
+            for (int v = 0; v < kn; v++) xs[v] = xq + (k0 + v) * qn, ys[v] = y + (size_t)(k0 + v) * out + ti * 32;
+            const uint8_t *nx_row = k0 + 4 < nx ? t : t + rowb; /* the next group of vectors reads this row again */
+            if (kn == 4)
+                rows_bfp4_vecs(t, nx_row, tc, xs, ys, 4);
+            else if (kn == 3)
+                rows_bfp4_vecs(t, nx_row, tc, xs, ys, 3);
+            else if (kn == 2)
+                rows_bfp4_vecs(t, nx_row, tc, xs, ys, 2);
+            else
+                rows_bfp4_vecs(t, nx_row, tc, xs, ys, 1);
+        }
+    }
+}
+
 #endif
 
 #ifdef DSF_AVX2
@@ -356,6 +444,14 @@ void bfp_gemv(const uint8_t *tiles, int tr, int tc, int m, const float *x, int n
         gemv1_avx512(tiles, tc, m, sc, x, y, tr0, tr1);
         return;
     }
+    if (m == 3) { /* the one-vector loop's math for each vector (row32_avx512's below is bfp8_b's, the same bits) */
+        float *xq = malloc((size_t)nx * tc * 128 * sizeof(float));
+        if (xq != NULL) {
+            gemvk_bfp4(tiles, tc, x, nx, xq, y, out, tr0, tr1);
+            free(xq);
+            return;
+        }
+    }
     for (int k0 = 0; k0 < nx; k0 += 4) {
         int kn = nx - k0 < 4 ? nx - k0 : 4;
 #pragma omp parallel for schedule(static) if ((size_t)(tr1 - tr0) * tc > PARALLEL_TILES)
@@ -511,6 +607,21 @@ void bfp_moe_decode(const uint8_t *const *slots, int n, int m, int64_t off1, int
             memcpy(y + (size_t)ti * 32, acc, sizeof acc);
         }
     }
+}
+
+/* h[i, c] = swiglu(g[i, c], u[i, c]) * w[i] for rows i < n of `cols` values, with bfp_moe_decode's operations in
+ * its order (silu as g / (1 + expf(-g)), libm's expf): an expert product outside the one-call decode (a batched
+ * step's, a prefill's) then carries the bits of the same token's product inside it. */
+void swiglu_rows(const float *g, const float *u, const float *w, int64_t n, int cols, float limit, float *h) {
+    for (int64_t i = 0; i < n; i++)
+        for (int c = 0; c < cols; c++) {
+            float gr = g[i * cols + c], ur = u[i * cols + c];
+            if (limit > 0) {
+                ur = ur < -limit ? -limit : (ur > limit ? limit : ur);
+                gr = gr > limit ? limit : gr;
+            }
+            h[i * cols + c] = gr / (1.0f + expf(-gr)) * ur * w[i];
+        }
 }
 
 /* Store one decoded face row (16 values, already scaled) as fp32, or as bfloat16: its top half, exact since q has
