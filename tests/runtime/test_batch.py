@@ -9,12 +9,13 @@ decode step costs tens of ms of Python on two shared cores."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 
 from dsflash.runtime.prefix.cache import prefix_cache
-from dsflash.runtime.scheduler.batch import BatchEngine
+from dsflash.runtime.scheduler.batch import BatchEngine, PrefillPacer
 from dsflash.runtime.scheduler.engine import Engine
 from dsflash.runtime.scheduler.queue import GenerationRequest
 from dsflash.runtime.scheduler.sampler import SamplingParams
@@ -159,6 +160,7 @@ def test_batched_sequences_equal_their_solo_runs(files, tmp_path_factory, tp):
             _cancel_and_fail(rec, requests, want)
             _close_while_decoding(rec, requests[0])
             _prefix_restores_into_each_slot(rec, runner, spec, requests, solo)
+            _paced_admission(rec, requests, solo)
     finally:
         runner.close()
 
@@ -177,6 +179,70 @@ def _fork_copies_the_prompt_on_every_rank(rec, request, want):
         engine.close()
     assert got == [want] * 3
     assert not [pos for slot, pos in rec.rows if slot and pos < len(request.prompt)]
+
+
+class Slow(Recording):
+    """Prefill 30 ms a token, a decode call 30 ms on top of the model: a pass beside a decode step costs its
+    tokens, as on a large model."""
+
+    def forward(self, tokens, start_pos, all_logits):
+        time.sleep(0.03 * len(tokens))
+        return super().forward(tokens, start_pos, all_logits)
+
+    def decode(self, tokens, positions, seqs):
+        time.sleep(0.03)
+        return super().decode(tokens, positions, seqs)
+
+
+def _paced_admission(rec, requests, solo):
+    """With --prefill-step-factor, a 60-token prompt admitted beside a decoding stream joins its steps a few
+    tokens at a time (the token budget alone would let 32-token passes in); both give their solo tokens."""
+    slow = Slow(rec.inner)
+    stream = GenerationRequest(requests[0].prompt, _greedy(40))
+    want = _tokens(_solo(slow, [stream])[0][0])
+    engine = BatchEngine(slow, EOS, prefill_chunk=CHUNK, prefill_step_factor=2.0)
+    beside = []  # prompt tokens of each pass that ran while the stream was decoding
+    plain = engine._prefill_pass
+
+    def prefill_pass():
+        decoding = any(s.token is not None for s in engine.seqs)
+        done = plain()
+        if decoding and done:
+            beside.append(done)
+        return done
+
+    engine._prefill_pass = prefill_pass
+    handles = [engine.queue.submit(r) for r in (stream, requests[4])]
+    engine.start()
+    try:
+        got = [_tokens(h) for h in handles]
+    finally:
+        engine.close()
+    assert got == [want, _tokens(solo[4][0])]
+    assert len(beside) >= 10 and max(beside) <= 4, beside
+
+
+def test_the_pacer_sizes_prefill_passes_to_the_decode_steps_time():
+    pacer = PrefillPacer(2.0, budget=40)
+    assert pacer.room == 1  # the first pass beside running streams: one token
+    pacer.prefilled(1, 0.1)  # nothing decoded yet: no measure to size by
+    assert pacer.room == 1
+    pacer.decoded(1.0)
+    rooms = []
+    for _ in range(8):  # prefill at 0.1 s a token beside 1 s decode steps: (2 - 1) x 1 s holds 10 tokens
+        pacer.prefilled(pacer.room, 0.1 * pacer.room)
+        rooms.append(pacer.room)
+    assert rooms[:4] == [2, 4, 7, 9] and rooms[-1] == 10 and max(rooms) == 10  # grows at most 2x a pass, settles
+    pacer.prefilled(10, 2.5)  # a pass 2.5x too slow: the room drops at once to what fits
+    assert pacer.room == 4
+    pacer.prefilled(4, 100.0)
+    assert pacer.room == 1  # never below one token: a prompt always progresses
+    pacer.prefilled(1, 0.05)
+    assert pacer.room == 2
+    for _ in range(20):
+        pacer.decoded(100.0)
+        pacer.prefilled(pacer.room, 0.001 * pacer.room)
+    assert pacer.room == 40  # never above the token budget
 
 
 def _cancel_and_fail(rec, requests, want):

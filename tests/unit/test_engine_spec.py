@@ -59,7 +59,8 @@ def test_the_flags_reach_the_spec():
     "field, value, message",
     [("tp", 0, "--tp"), ("expert_slots", 0, "--expert-slots"), ("prefill_chunk", 0, "--prefill-chunk"),
      ("device", "tpu", "device 'tpu'"), ("expert_format", "bfp2", "expert format"),
-     ("max_num_seqs", 0, "--max-num-seqs"), ("max_num_batched_tokens", 1, "--max-num-batched-tokens")],
+     ("max_num_seqs", 0, "--max-num-seqs"), ("max_num_batched_tokens", 1, "--max-num-batched-tokens"),
+     ("prefill_step_factor", 0.5, "--prefill-step-factor")],
 )  # fmt: skip
 def test_a_bad_option_is_refused_in_one_line(field, value, message):
     with pytest.raises(ConfigError, match=message):

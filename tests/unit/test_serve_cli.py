@@ -12,7 +12,7 @@ EVERY_FLAG = [
     "serve", "some/model", "--profile", "long", "--host", "0.0.0.0", "--port", "20007", "--tp", "2",
     "--expert-slots", "99", "--expert-format", "bfp8_b", "--device", "cpu", "--backend", "reference",
     "--max-queue", "3", "--max-model-len", "777", "--prefill-chunk", "2048", "--max-num-seqs", "4",
-    "--max-num-batched-tokens", "300", "--cache-dir", "/tmp/c", "--rebuild",
+    "--max-num-batched-tokens", "300", "--prefill-step-factor", "3", "--cache-dir", "/tmp/c", "--rebuild",
     "--default-chat-template-kwargs", '{"thinking": true}', "--shutdown-grace", "7", "--record-routing", "/tmp/r.jsonl",
     "--enforce-eager", "--max-tokens-default", "100", "--max-tokens-limit", "200", "--no-prefix-cache",
     "--prefix-cache-gb", "0.5", "--prefix-cache-dir", "/tmp/p", "--prefix-cache-disk-gb", "3",

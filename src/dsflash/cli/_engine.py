@@ -80,6 +80,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, prefix: str = "", serving: 
         "a long prompt is admitted (default: --prefill-chunk + --max-num-seqs)",
     )
     p.add_argument(
+        "--prefill-step-factor",
+        type=float,
+        default=SPEC.prefill_step_factor,
+        metavar="F",
+        help="while sequences decode, a new prompt's prefill share of a step shrinks (to one token at least) so the "
+        "step takes about F times its decode call: running streams' gaps stay under ~F x while a long prompt is "
+        "admitted, which then takes longer (0: only --max-num-batched-tokens bounds it)",
+    )
+    p.add_argument(
         "--speculative",
         choices=("dspark",),
         default=SPEC.speculative,
@@ -159,7 +168,9 @@ def engine_spec(args, **fields):
         "cache_dir": args.cache_dir,
         "rebuild_store": args.rebuild,
     }
-    for name in ("prefill_chunk", "max_num_seqs", "max_num_batched_tokens", "speculative", "num_speculative_tokens"):
+    names = ("prefill_chunk", "max_num_seqs", "max_num_batched_tokens", "prefill_step_factor", "speculative",
+             "num_speculative_tokens")  # fmt: skip
+    for name in names:
         if hasattr(args, name):
             given[name] = getattr(args, name)
     if getattr(args, "record_routing", None):

@@ -48,6 +48,10 @@ class EngineSpec:
     # tokens one engine step may compute with several sequences running: the decode tokens plus the prefill chunk
     # that joins between two decode steps; None: prefill_chunk + max_num_seqs (prefill passes as long as alone)
     max_num_batched_tokens: int | None = None
+    # while sequences decode, a step's prefill share is cut so the step takes about this many times its decode call
+    # (the running streams' gaps stay short while a long prompt is admitted, which then takes longer); 0: the token
+    # budget alone
+    prefill_step_factor: float = 2.0
     threads: int | None = None  # torch / kernel threads per rank; None: 1 for a tiny model, else cores / local ranks
     qat: bool = True  # the model's activation fake-quant points (DeepSeek's inference code has them on)
     dspark: bool = False  # load the DSpark draft stages (speculative needs them: it turns this on)
@@ -89,6 +93,8 @@ class EngineSpec:
                 f"--max-num-batched-tokens {self.max_num_batched_tokens} must exceed --max-num-seqs "
                 f"{self.max_num_seqs}: a step's budget holds every running sequence's token and some prefill"
             )
+        if not (self.prefill_step_factor == 0 or self.prefill_step_factor > 1):
+            raise ConfigError(f"--prefill-step-factor must be 0 (off) or above 1, got {self.prefill_step_factor}")
         if (self.prefix_cache_gb is not None and self.prefix_cache_gb < 0) or self.prefix_cache_disk_gb < 0:
             raise ConfigError("--prefix-cache-gb and --prefix-cache-disk-gb must be >= 0")
         if self.speculative not in (None, "dspark"):

@@ -285,7 +285,8 @@ def _warm(ctx: _Ctx) -> str:
     prefix = prefix_cache(runner, spec)
     common = dict(max_queue=ctx.opts.max_queue, prefill_chunk=spec.prefill_chunk, prefix=prefix)
     if getattr(runner, "n_seqs", 1) > 1:
-        ctx.engine = BatchEngine(runner, tok.eos_ids, max_num_batched_tokens=spec.batched_tokens, **common)
+        ctx.engine = BatchEngine(runner, tok.eos_ids, max_num_batched_tokens=spec.batched_tokens,
+                                 prefill_step_factor=spec.prefill_step_factor, **common)  # fmt: skip
     else:
         k = (spec.num_speculative_tokens or 0) if spec.speculative else None
         ctx.engine = Engine(runner, tok.eos_ids, num_speculative_tokens=k, **common)

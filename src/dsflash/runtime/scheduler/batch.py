@@ -20,6 +20,7 @@ no snapshots (the TP runner with the prefix cache off) has each sibling prefill 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from dataclasses import dataclass, field, replace
@@ -107,6 +108,30 @@ class _Group:
     cached: int = 0
 
 
+class PrefillPacer:
+    """How many prompt tokens join a step beside decoding sequences so that the step takes about `factor` times
+    its decode call: the prefill share gets (factor - 1) decode calls' time. The room follows the measured cost of
+    the last pass: down at once to what fits, up halfway towards it and at most doubling (at least one token, at
+    most the budget), so the gaps stay under the factor even as costs vary; the first pass beside running
+    streams is one token, so a long prompt's admission never opens with one long gap. Pass boundaries then depend on
+    timing; each pass's products are the same math, so outputs agree with a solo run as batched ones do."""
+
+    def __init__(self, factor: float, budget: int):
+        self.share, self.budget = factor - 1.0, budget
+        self.room = 1
+        self.decode_s: float | None = None
+
+    def decoded(self, seconds: float) -> None:
+        self.decode_s = seconds if self.decode_s is None else 0.7 * self.decode_s + 0.3 * seconds
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        if self.decode_s is None or seconds <= 0:
+            return
+        fits = tokens * self.share * self.decode_s / seconds
+        grown = min(2 * self.room, math.floor(0.5 * self.room + 0.5 * fits + 0.5))
+        self.room = max(1, min(self.budget, int(fits) if fits < self.room else grown))
+
+
 @dataclass
 class Seq:
     """One running request: its slot (decode state on every rank) and where it stands."""
@@ -157,12 +182,13 @@ class BatchEngine(Engine):
     """Engine with up to runner.n_seqs sequences at once; submit / admit / close as Engine."""
 
     def __init__(self, runner, eos_ids, max_queue: int = 64, prefill_chunk: int = 512, prefix=None,
-                 max_num_batched_tokens: int | None = None):  # fmt: skip
+                 max_num_batched_tokens: int | None = None, prefill_step_factor: float | None = None):  # fmt: skip
         super().__init__(runner, eos_ids, max_queue, prefill_chunk, prefix)
         self.max_num_seqs = runner.n_seqs
         self.budget = max_num_batched_tokens or prefill_chunk + self.max_num_seqs
         if self.budget <= self.max_num_seqs:
             raise ValueError(f"a step's {self.budget} tokens leave no room for prefill beside {self.max_num_seqs}")
+        self.pacer = PrefillPacer(prefill_step_factor, self.budget) if prefill_step_factor else None
         self.seqs: list[Seq] = []  # admission order: the oldest prompt is prefilled first
         self.steps = StepLog()
         self._selected: int | None = None
@@ -352,8 +378,11 @@ class BatchEngine(Engine):
     def _prefill_pass(self) -> int:
         """Prefill passes for the sequences still prefilling, oldest first, within the step's budget -> tokens.
         The oldest always gets one (cut to the budget); a later one only where its whole pass fits."""
-        room = self.budget - sum(1 for s in self.seqs if s.token is not None)
-        done = 0
+        decoding = sum(1 for s in self.seqs if s.token is not None)
+        room = self.budget - decoding
+        if self.pacer is not None and decoding:
+            room = min(room, self.pacer.room)
+        done, t = 0, time.perf_counter()
         for seq in [s for s in self.seqs if s.prefilling]:
             n = self._pass_end(seq, room) - seq.pos
             if done and n < self._pass_end(seq, len(seq.prompt)) - seq.pos:
@@ -364,6 +393,8 @@ class BatchEngine(Engine):
             done += seq.pos - pos
             if room <= 0:
                 break
+        if self.pacer is not None and decoding and done:
+            self.pacer.prefilled(done, time.perf_counter() - t)
         return done
 
     def _pass_end(self, seq: Seq, room: int) -> int:
@@ -433,6 +464,8 @@ class BatchEngine(Engine):
                 self._fail(s, e)
             return 0
         dt = time.perf_counter() - t
+        if self.pacer is not None:
+            self.pacer.decoded(dt)
         counters = self.runner.counters()
         for i, s in enumerate(batch):
             s.fed.append(s.token)
