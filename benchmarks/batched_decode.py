@@ -8,11 +8,12 @@ token: the dense weights a step reads plus the routed experts it made resident (
 divided by B.
 
 The latency part runs the BatchEngine: one stream decodes while a --long-prompt token prompt is admitted in passes
-of at most --max-num-batched-tokens (minus the decoding streams) between decode steps; the stream's gaps between
-consecutive tokens over that window are reported against their median.
+of at most --max-num-batched-tokens (minus the decoding streams) between decode steps, sized by --factor
+(--prefill-step-factor; 0: the token budget alone); the stream's gaps between consecutive tokens over that window
+are reported against its median gap before the prompt arrived (the baseline, in the same run).
 
     .venv/bin/python benchmarks/batched_decode.py [--steps N] [--slots S] [--long-prompt T] [--budget B]
-        [--skip-latency | --skip-throughput] [--threads N]
+        [--factor F] [--skip-latency | --skip-throughput] [--threads N]
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ def decode_rate(runner, prompts: list[list[int]], steps: int) -> dict:
     return {"seconds": dt, "lookups_per_step": (n["hits"] + n["misses"]) / steps, "misses": n["misses"]}
 
 
-def admission_gaps(runner, chunk: int, budget: int, prompt: list[int], long_prompt: list[int]) -> dict:
+def admission_gaps(runner, chunk: int, budget: int, factor: float, prompt: list[int], long_prompt: list[int]) -> dict:
     """One stream decoding while long_prompt is admitted: its inter-token gaps over the admission window."""
-    engine = BatchEngine(runner, set(), prefill_chunk=chunk, max_num_batched_tokens=budget).start()
+    engine = BatchEngine(runner, set(), prefill_chunk=chunk, max_num_batched_tokens=budget,
+                         prefill_step_factor=factor or None).start()  # fmt: skip
     try:
         # as many tokens as its slot holds: the stream outlasts the admission, then it is cancelled
         most = runner.max_len - len(prompt)
@@ -108,6 +110,7 @@ def admission_gaps(runner, chunk: int, budget: int, prompt: list[int], long_prom
     return {
         "long_prompt_tokens": len(long_prompt),
         "max_num_batched_tokens": budget,
+        "prefill_step_factor": factor,
         "long_prompt_ttft_s": ttft,
         "gap_median_alone_s": med,
         "gap_median_admitting_s": float(np.median(inside)) if len(inside) else float("nan"),
@@ -125,6 +128,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--long-prompt", type=int, default=2048)
     ap.add_argument("--budget", type=int, default=40, help="--max-num-batched-tokens of the latency part")
+    ap.add_argument("--factor", type=float, default=EngineSpec.prefill_step_factor,
+                    help="--prefill-step-factor of the latency part (0: the token budget alone)")  # fmt: skip
     ap.add_argument("--skip-latency", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true", help="only the latency part")
     args = ap.parse_args()
@@ -166,7 +171,7 @@ def main() -> None:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if not args.skip_latency:
             gaps = admission_gaps(
-                runner, spec.prefill_chunk, args.budget, prompt(args.prompt), prompt(args.long_prompt)
+                runner, spec.prefill_chunk, args.budget, args.factor, prompt(args.prompt), prompt(args.long_prompt)
             )
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in gaps.items()}), flush=True)
     finally:

@@ -110,26 +110,32 @@ class _Group:
 
 class PrefillPacer:
     """How many prompt tokens join a step beside decoding sequences so that the step takes about `factor` times
-    its decode call: the prefill share gets (factor - 1) decode calls' time. The room follows the measured cost of
-    the last pass: down at once to what fits, up halfway towards it and at most doubling (at least one token, at
-    most the budget), so the gaps stay under the factor even as costs vary; the first pass beside running
-    streams is one token, so a long prompt's admission never opens with one long gap. Pass boundaries then depend on
-    timing; each pass's products are the same math, so outputs agree with a solo run as batched ones do."""
+    its decode call: the prefill share gets (factor - 1) decode calls' time, of which a pass is sized to fill
+    SAFETY at the prompt's measured cost per token. That cost follows a slower pass at once and a faster one
+    gradually (a small pass's cost varies with the experts its tokens happen to touch), and the room grows at most
+    1.5x a pass (at least one token, at most the budget); the first pass beside running streams is one token, so a
+    long prompt's admission never opens with one long gap. Pass boundaries then depend on timing; each pass's
+    products are the same math, so outputs agree with a solo run as batched ones do."""
+
+    SAFETY = 0.75
 
     def __init__(self, factor: float, budget: int):
         self.share, self.budget = factor - 1.0, budget
         self.room = 1
         self.decode_s: float | None = None
+        self.per_token: float | None = None
 
     def decoded(self, seconds: float) -> None:
         self.decode_s = seconds if self.decode_s is None else 0.7 * self.decode_s + 0.3 * seconds
 
     def prefilled(self, tokens: int, seconds: float) -> None:
-        if self.decode_s is None or seconds <= 0:
+        if self.decode_s is None or seconds <= 0 or tokens <= 0:
             return
-        fits = tokens * self.share * self.decode_s / seconds
-        grown = min(2 * self.room, math.floor(0.5 * self.room + 0.5 * fits + 0.5))
-        self.room = max(1, min(self.budget, int(fits) if fits < self.room else grown))
+        per = seconds / tokens
+        slower = self.per_token is None or per > self.per_token
+        self.per_token = per if slower else 0.8 * self.per_token + 0.2 * per
+        fits = math.floor(self.SAFETY * self.share * self.decode_s / self.per_token)
+        self.room = max(1, min(self.budget, fits, max(self.room + 1, math.ceil(1.5 * self.room))))
 
 
 @dataclass
