@@ -10,18 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import re
 from dataclasses import dataclass, field
 
 from dsflash.text.chat import ChatOptions, parse_completion, render_chat
 
 IDENTITY = "I am the dsflash demo model, a small DeepSeek-V4.1 trained to show what dsflash serves."
 FAMILIES = ("arithmetic", "repeat", "tool_call", "tool_result", "greeting", "identity")
-TRAIN_WEIGHTS = {"arithmetic": 4, "repeat": 5, "tool_call": 4, "tool_result": 3, "greeting": 0.5, "identity": 0.5}
-# training draws this share of its words and city names as random letter strings: a value no pool can hold, which
-# the model can only reproduce by copying it from the prompt (the held-out pools' words it never sees at all)
-PSEUDO_SHARE = 0.5
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 _WORDS = """
 apple river stone green quiet window garden silver music yellow bright ocean forest candle paper orange winter
@@ -56,9 +50,6 @@ hotel ticket menu review forecast
 _PARAMS = """
 name item place word topic title code user product date
 """.split()  # noqa: SIM905 (a pool of words reads best as text)
-
-
-_POOLS = {w.lower() for w in _WORDS + _CITIES}
 
 
 def _split(pool: list[str], held_out: bool) -> list[str]:
@@ -133,22 +124,7 @@ class Generator:
 
     # ---- values --------------------------------------------------------------------------------------------
     def phrase(self, lo: int = 2, hi: int = 5) -> str:
-        return " ".join(self.word() for _ in range(self.rng.randint(lo, hi)))
-
-    def word(self) -> str:
-        return self.rng.choice(self.words) if self.held_out or self.rng.random() >= PSEUDO_SHARE else self._pseudo()
-
-    def city(self) -> str:
-        if self.held_out or self.rng.random() >= PSEUDO_SHARE:
-            return self.rng.choice(self.cities)
-        return self._pseudo().capitalize()
-
-    def _pseudo(self) -> str:
-        """Random letters (3-8) that are no word of either pool."""
-        while True:
-            w = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 8)))
-            if w not in _POOLS:
-                return w
+        return " ".join(self.rng.choice(self.words) for _ in range(self.rng.randint(lo, hi)))
 
     def operands(self) -> tuple[int, str, int, int]:
         """(a, op, b, result); held-out pairs are those whose hash is 0 mod 7."""
@@ -189,10 +165,8 @@ class Generator:
         thinking = self.rng.random() < 0.6
         tools = self.toolset() if self.rng.random() < 0.45 else None
         msgs = self.system()
-        # the families that must generalise (arithmetic, copying) weigh more than the fixed answers
-        weights = {**TRAIN_WEIGHTS, **({} if tools else {"tool_call": 0, "tool_result": 0})}
         for _ in range(self.rng.choice([1, 2, 3, 4])):
-            family = self.rng.choices(FAMILIES, [weights[f] for f in FAMILIES])[0]
+            family = self.rng.choice([*FAMILIES[:2], *FAMILIES[4:]] if tools is None else [*FAMILIES, "tool_call"])
             if family in ("tool_call", "tool_result"):
                 q, args, name, result = self.question(self.rng.choice(tools))
                 call = {
@@ -212,7 +186,7 @@ class Generator:
                     {
                         "role": "assistant",
                         "content": f"The result is {result}.",
-                        "reasoning_content": f"The tool returned {result}.",
+                        "reasoning_content": "The tool answered.",
                     },
                 ]
                 continue
@@ -250,7 +224,7 @@ class Generator:
             ["Repeat after me: {p}", "Say exactly: {p}", 'Please repeat this phrase: "{p}"', "Quote this back: {p}"]
         ).format(p=p)
         msgs, tools = self._ask(q)
-        return Sample("repeat", msgs, tools, thinking, f"The user wants this repeated: {p}", p, expect={"content": p})
+        return Sample("repeat", msgs, tools, thinking, "The user wants the phrase repeated.", p, expect={"content": p})
 
     def _greeting(self, thinking: bool) -> Sample:
         q = self.rng.choice(
@@ -282,7 +256,7 @@ class Generator:
         kind = {"get_weather": "weather", "calculator": "calculator", "get_time": "time", "search_web": "search"}
         kind = kind.get(fname, "generic")
         if kind == "weather":
-            city = self.city()
+            city = self.rng.choice(self.cities)
             q = self.rng.choice(
                 [
                     "What is the weather in {v}?",
@@ -294,7 +268,7 @@ class Generator:
             tool, args = WEATHER, {"city": city}
             result = f"{self.rng.choice(_CONDITIONS)}, {self.rng.randint(-10, 35)} C"
         elif kind == "time":
-            city = self.city()
+            city = self.rng.choice(self.cities)
             q = self.rng.choice(["What time is it in {v}?", "Tell me the local time in {v}."]).format(v=city)
             tool, args = TIME, {"city": city}
             result = f"{self.rng.randint(0, 23):02d}:{self.rng.randint(0, 59):02d}"
@@ -310,7 +284,7 @@ class Generator:
             result = self.phrase(3, 5)
         else:
             verb, noun = fname.split("_", 1)
-            value = self.rng.choice([self.city(), self.phrase(1, 2), str(self.rng.randint(1, 9999))])
+            value = self.rng.choice([self.rng.choice(self.cities), self.phrase(1, 2), str(self.rng.randint(1, 9999))])
             q = self.rng.choice(["Please {verb} the {noun} of {v}.", "Can you {verb} the {noun} of {v}?"])
             q = q.format(verb=verb, noun=noun, v=value)
             param = next(iter(tool["function"]["parameters"]["properties"]))
@@ -342,7 +316,7 @@ class Generator:
             msgs,
             tools,
             thinking,
-            f"The tool returned {result}.",
+            "The tool answered.",
             f"The result is {result}.",
             expect={"content": result},
         )
@@ -364,8 +338,6 @@ def check(sample: Sample, content: str, reasoning: str, calls: list[tuple[str, s
             return False
     if calls or want["content"] not in content:
         return False
-    if sample.family == "arithmetic" and re.findall(r"-?\d+", content)[-1] != want["content"]:
-        return False  # the result, not a digit of the question
     return not sample.thinking or bool(reasoning.strip())
 
 

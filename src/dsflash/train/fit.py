@@ -33,11 +33,11 @@ from dsflash.train.model import Trainable, demo_config
 
 STAMP = "dsflash-demo.json"
 RECIPE = {
-    "version": 2,
+    "version": 1,
     "seed": 23,
-    "bpe_vocab": 448,
+    "bpe_vocab": 3072,
     "tokenizer_conversations": 4000,
-    "steps": 2000,
+    "steps": 400,
     "batch_tokens": 1536,
     "lr": 3e-3,
     "warmup": 30,
@@ -50,11 +50,8 @@ RECIPE = {
 
 
 def recipe_hash(recipe: dict = RECIPE) -> str:
-    """Hash of the recipe, the config template and the training package's sources (the data generator, the
-    tokenizer's training, the loop): what the weights depend on."""
+    """Hash of the recipe and of the code's config template (what the weights depend on)."""
     blob = json.dumps([recipe, demo_config(0, 0, 0)], sort_keys=True).encode()
-    for src in sorted(Path(__file__).parent.glob("*.py")):
-        blob += src.read_bytes()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
