@@ -119,6 +119,43 @@ static const uint16_t BFP4_BF16[32] = {
     0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0,
     0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x8000, 0xbf80, 0xc000, 0xc040, 0xc080, 0xc0a0, 0xc0c0, 0xc0e0};
 
+/* a bfp4_b face's 16 row scales 2^(e - 127 - 2) as in scales(): e << 23 is 2^(e-127) (0 for e = 0, where every
+ * code is 0 anyway); e = 255 keeps the table's finite 2^126 */
+static inline __m512 bfp4_face_scales(const uint8_t *tile, int f) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16 * f)));
+    const __m512 sf = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), _mm512_set1_ps(0.25f));
+    return _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), sf, _mm512_set1_ps(0x1p126f));
+}
+
+/* face rows 4k .. 4k + 3 (32 code bytes at d + 32 k) -> their weights as four fp32 vectors, lane j of vector c
+ * holding face row 4k + j / 4's column 4 (j % 4) + c (the order put_q4 gives x) */
+static inline void bfp4_rows4(const uint8_t *d, int k, __m512i lut, __m512 *w) {
+    const __m512i hiword = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(d + 32 * k)));
+    const __m512i lo = _mm512_permutexvar_epi16(b, lut);
+    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), lut);
+    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
+    w[1] = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
+    w[2] = _mm512_castsi512_ps(_mm512_and_si512(lo, hiword));
+    w[3] = _mm512_castsi512_ps(_mm512_and_si512(hi, hiword));
+}
+
+/* bfp4_rows4's weights against x's four column classes at xs (put_q4 form): each lane's four products, summed */
+static inline __m512 bfp4_dot(const __m512 *w, const float *xs) {
+    __m512 p = _mm512_mul_ps(w[0], _mm512_loadu_ps(xs));
+    p = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xs + 16), p);
+    p = _mm512_fmadd_ps(w[2], _mm512_loadu_ps(xs + 32), p);
+    return _mm512_fmadd_ps(w[3], _mm512_loadu_ps(xs + 48), p);
+}
+
+/* the face-row scales of rows 4k .. 4k + 3 spread over bfp4_rows4's lanes */
+static inline __m512 bfp4_scales4(__m512 sf, int k) {
+    const __m512i rows = _mm512_setr_epi32(4 * k, 4 * k, 4 * k, 4 * k, 4 * k + 1, 4 * k + 1, 4 * k + 1, 4 * k + 1,
+                                           4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 3, 4 * k + 3, 4 * k + 3,
+                                           4 * k + 3);
+    return _mm512_permutexvar_ps(rows, sf);
+}
+
 /* bfp4_b tile rows against vectors, nr (1 or 2) at once: tile row t[r] (tc tiles) against xq[r] -> 32 outputs y[r];
  * next[r]: the row stream r reads after this one (prefetched past the end; NULL: the memory that follows).
  * 32 code bytes (four face rows) widen to 16-bit words; the word permute turns each word's low nibble, and after a
@@ -132,8 +169,6 @@ static inline void rows_bfp4(const int nr, const uint8_t *const *t, const float 
                              const uint8_t *const *next, int tc, float *const *y) {
     const int tb = tile_bytes(3), fb = face_bytes(3);
     const __m512i lut = _mm512_loadu_si512(BFP4_BF16);
-    const __m512i hiword = _mm512_set1_epi32((int)0xFFFF0000u), e255 = _mm512_set1_epi32(255);
-    const __m512 big = _mm512_set1_ps(0x1p126f), quarter = _mm512_set1_ps(0.25f);
     __m512 acc[2][8];
     for (int r = 0; r < nr; r++)
         for (int q = 0; q < 8; q++) acc[r][q] = _mm512_setzero_ps();
@@ -144,28 +179,14 @@ static inline void rows_bfp4(const int nr, const uint8_t *const *t, const float 
 #pragma GCC unroll 4
             for (int f = 0; f < 4; f++) {
                 const float *xs = xq[r] + (size_t)(2 * tj + (f & 1)) * 64;
-                const __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
-                const __m512 x2 = _mm512_loadu_ps(xs + 32), x3 = _mm512_loadu_ps(xs + 48);
-                /* 2^(e - 127 - 2) per face row as in scales(): e << 23 is 2^(e-127) (0 for e = 0, where every code
-                 * is 0 anyway); e = 255 keeps the table's finite 2^126 */
-                const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16 * f)));
-                __m512 sf = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), quarter);
-                sf = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, e255), sf, big);
+                const __m512 sf = bfp4_face_scales(tile, f);
                 const uint8_t *d = tile + 64 + f * fb;
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++) {
-                    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(d + 32 * k)));
-                    const __m512i lo = _mm512_permutexvar_epi16(w, lut);
-                    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
-                    __m512 p = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)), x0);
-                    p = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)), x1, p);
-                    p = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(lo, hiword)), x2, p);
-                    p = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(hi, hiword)), x3, p);
-                    const __m512i rows = _mm512_setr_epi32(4 * k, 4 * k, 4 * k, 4 * k, 4 * k + 1, 4 * k + 1, 4 * k + 1,
-                                                           4 * k + 1, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2,
-                                                           4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3);
+                    __m512 w[4];
+                    bfp4_rows4(d, k, lut, w);
                     const int q = 4 * (f >> 1) + k; /* rows 4q .. 4q + 3 of the tile row */
-                    acc[r][q] = _mm512_fmadd_ps(p, _mm512_permutexvar_ps(rows, sf), acc[r][q]);
+                    acc[r][q] = _mm512_fmadd_ps(bfp4_dot(w, xs), bfp4_scales4(sf, k), acc[r][q]);
                 }
             }
         }
@@ -205,8 +226,6 @@ static inline __attribute__((always_inline)) void rows_bfp4_vecs(const uint8_t *
                                                                  const int K) {
     const int tb = tile_bytes(3), fb = face_bytes(3);
     const __m512i lut = _mm512_loadu_si512(BFP4_BF16);
-    const __m512i hiword = _mm512_set1_epi32((int)0xFFFF0000u), e255 = _mm512_set1_epi32(255);
-    const __m512 big = _mm512_set1_ps(0x1p126f), quarter = _mm512_set1_ps(0.25f);
     for (int h = 0; h < 2; h++) {
         __m512 acc[4][4];
         for (int v = 0; v < K; v++)
@@ -216,31 +235,15 @@ static inline __attribute__((always_inline)) void rows_bfp4_vecs(const uint8_t *
             PREFETCH_TILE(h ? ahead(tile, tj, tc, tb, next) : tile + PREFETCH_AHEAD * tb, tb);
             for (int fh = 0; fh < 2; fh++) {
                 const int f = 2 * h + fh;
-                const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(tile + 16 * f)));
-                __m512 sf = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(e, 23)), quarter);
-                sf = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, e255), sf, big);
+                const __m512 sf = bfp4_face_scales(tile, f);
                 const uint8_t *d = tile + 64 + f * fb;
 #pragma GCC unroll 4
                 for (int k = 0; k < 4; k++) {
-                    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(d + 32 * k)));
-                    const __m512i lo = _mm512_permutexvar_epi16(w, lut);
-                    const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
-                    const __m512 w0 = _mm512_castsi512_ps(_mm512_slli_epi32(lo, 16));
-                    const __m512 w1 = _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16));
-                    const __m512 w2 = _mm512_castsi512_ps(_mm512_and_si512(lo, hiword));
-                    const __m512 w3 = _mm512_castsi512_ps(_mm512_and_si512(hi, hiword));
-                    const __m512i rows = _mm512_setr_epi32(4 * k, 4 * k, 4 * k, 4 * k, 4 * k + 1, 4 * k + 1, 4 * k + 1,
-                                                           4 * k + 1, 4 * k + 2, 4 * k + 2, 4 * k + 2, 4 * k + 2,
-                                                           4 * k + 3, 4 * k + 3, 4 * k + 3, 4 * k + 3);
-                    const __m512 sk = _mm512_permutexvar_ps(rows, sf);
-                    for (int v = 0; v < K; v++) {
-                        const float *xs = xq[v] + (size_t)(2 * tj + (f & 1)) * 64;
-                        __m512 p = _mm512_mul_ps(w0, _mm512_loadu_ps(xs));
-                        p = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs + 16), p);
-                        p = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xs + 32), p);
-                        p = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xs + 48), p);
-                        acc[v][k] = _mm512_fmadd_ps(p, sk, acc[v][k]);
-                    }
+                    __m512 w[4];
+                    bfp4_rows4(d, k, lut, w);
+                    const __m512 sk = bfp4_scales4(sf, k);
+                    for (int v = 0; v < K; v++)
+                        acc[v][k] = _mm512_fmadd_ps(bfp4_dot(w, xq[v] + (size_t)(2 * tj + (f & 1)) * 64), sk, acc[v][k]);
                 }
             }
         }
