@@ -9,6 +9,7 @@ a turn, so that replies cross the window ring (16 positions) and many compressio
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import replace
 
@@ -261,6 +262,25 @@ def test_engine_reuse_is_exact_from_memory_and_from_disk(files, tmp_path, tp):
         from_disk = run_with(runner, fresh, conversations(KINDS[tp][:1], files, turns=DISK_TURNS))
         assert_same(plain[:DISK_TURNS], from_disk, min_hits=DISK_TURNS)  # the first turn too: its boundary is on disk
         assert fresh.memory_bytes > 0  # what came from disk is held in memory again
+    finally:
+        runner.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DSFLASH_SLOW"), reason="set DSFLASH_SLOW=1 (TP 2: about 4 min on two cores)")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_kind_of_conversation_at_the_issues_length(files, tmp_path, tp):
+    """The issue's whole grid, which the suite samples above: completions and chats with and without tools, 4
+    turns of 64 tokens each, with reuse against without, at TP 1 and TP 2 (at TP 2 a decode step of the tiny model
+    is ~30 all-reduces: this is the costly part)."""
+    spec = EngineSpec(tp=tp, cache_dir=str(tmp_path / "stores"))
+    runner = start_engine(files.ckpt, files.token_map, 4096, spec)
+    try:
+        kinds = (("completion", ISSUE_GEN), ("chat-tools", ISSUE_GEN), ("chat", ISSUE_GEN))
+        talk = conversations(kinds, files)
+        plain = run_with(runner, None, talk)
+        reused = run_with(runner, _cache(runner, spec), talk)
+        assert_same(plain, reused, min_hits=(TURNS - 1) * 2 + 1)  # chat without tools reuses its shared start
     finally:
         runner.close()
 
