@@ -5,7 +5,8 @@ CPU reference, the engine at TP 1 and at TP 2 (real ranks), from memory and from
 How many tokens a turn generates is what these tests cost (a tiny model's decode step is ~70 ms of Python at TP 1
 and ~200 ms at TP 2 on two cores): the engine's completions and chats with tools at TP 1 generate the issue's 64
 a turn, so that replies cross the window ring (16 positions) and many compression groups; the rest generate fewer
-(KINDS), still crossing both with each turn's new tokens."""
+(KINDS), still crossing both with each turn's new tokens. The issue's whole grid (every kind, 64 tokens a turn, TP 1
+and TP 2) is test_every_kind_of_conversation_at_the_issues_length, under DSFLASH_SLOW=1 (minutes at TP 2)."""
 
 from __future__ import annotations
 
