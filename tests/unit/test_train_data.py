@@ -34,6 +34,14 @@ def test_a_wrong_answer_does_not_check():
     assert not data.check_text(a, "I do not know.<｜end▁of▁sentence｜>")
 
 
+def test_an_arithmetic_answer_is_right_only_when_its_last_number_is_the_result():
+    a = data.Generator(6).sample("arithmetic", False)
+    result = a.expect["content"]
+    assert data.check(a, f"1 + 2 = {result}.", "", [])
+    assert not data.check(a, f"1 + 2 = {result}1.", "", [])  # holds the result's digits, is not it
+    assert not data.check(a, f"{result} is not {int(result) + 1}.", "", [])
+
+
 def test_held_out_values_never_appear_in_training_pools():
     train, held = data.Generator(1), data.Generator(1, held_out=True)
     assert held.cities and held.words and held.tool_pairs
