@@ -17,6 +17,11 @@ from dsflash.text.chat import ChatOptions, parse_completion, render_chat
 
 IDENTITY = "I am the dsflash demo model, a small DeepSeek-V4.1 trained to show what dsflash serves."
 FAMILIES = ("arithmetic", "repeat", "tool_call", "tool_result", "greeting", "identity")
+TRAIN_WEIGHTS = {"arithmetic": 4, "repeat": 5, "tool_call": 4, "tool_result": 3, "greeting": 0.5, "identity": 0.5}
+# training draws this share of its words and city names as random letter strings: a value no pool can hold, which
+# the model can only reproduce by copying it from the prompt (the held-out pools' words it never sees at all)
+PSEUDO_SHARE = 0.5
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 _WORDS = """
 apple river stone green quiet window garden silver music yellow bright ocean forest candle paper orange winter
@@ -51,6 +56,9 @@ hotel ticket menu review forecast
 _PARAMS = """
 name item place word topic title code user product date
 """.split()  # noqa: SIM905 (a pool of words reads best as text)
+
+
+_POOLS = {w.lower() for w in _WORDS + _CITIES}
 
 
 def _split(pool: list[str], held_out: bool) -> list[str]:
@@ -125,7 +133,22 @@ class Generator:
 
     # ---- values --------------------------------------------------------------------------------------------
     def phrase(self, lo: int = 2, hi: int = 5) -> str:
-        return " ".join(self.rng.choice(self.words) for _ in range(self.rng.randint(lo, hi)))
+        return " ".join(self.word() for _ in range(self.rng.randint(lo, hi)))
+
+    def word(self) -> str:
+        return self.rng.choice(self.words) if self.held_out or self.rng.random() >= PSEUDO_SHARE else self._pseudo()
+
+    def city(self) -> str:
+        if self.held_out or self.rng.random() >= PSEUDO_SHARE:
+            return self.rng.choice(self.cities)
+        return self._pseudo().capitalize()
+
+    def _pseudo(self) -> str:
+        """Random letters (3-8) that are no word of either pool."""
+        while True:
+            w = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 8)))
+            if w not in _POOLS:
+                return w
 
     def operands(self) -> tuple[int, str, int, int]:
         """(a, op, b, result); held-out pairs are those whose hash is 0 mod 7."""
@@ -166,8 +189,10 @@ class Generator:
         thinking = self.rng.random() < 0.6
         tools = self.toolset() if self.rng.random() < 0.45 else None
         msgs = self.system()
+        # the families that must generalise (arithmetic, copying) weigh more than the fixed answers
+        weights = {**TRAIN_WEIGHTS, **({} if tools else {"tool_call": 0, "tool_result": 0})}
         for _ in range(self.rng.choice([1, 2, 3, 4])):
-            family = self.rng.choice([*FAMILIES[:2], *FAMILIES[4:]] if tools is None else [*FAMILIES, "tool_call"])
+            family = self.rng.choices(FAMILIES, [weights[f] for f in FAMILIES])[0]
             if family in ("tool_call", "tool_result"):
                 q, args, name, result = self.question(self.rng.choice(tools))
                 call = {
@@ -187,7 +212,7 @@ class Generator:
                     {
                         "role": "assistant",
                         "content": f"The result is {result}.",
-                        "reasoning_content": "The tool answered.",
+                        "reasoning_content": f"The tool returned {result}.",
                     },
                 ]
                 continue
@@ -225,7 +250,7 @@ class Generator:
             ["Repeat after me: {p}", "Say exactly: {p}", 'Please repeat this phrase: "{p}"', "Quote this back: {p}"]
         ).format(p=p)
         msgs, tools = self._ask(q)
-        return Sample("repeat", msgs, tools, thinking, "The user wants the phrase repeated.", p, expect={"content": p})
+        return Sample("repeat", msgs, tools, thinking, f"The user wants this repeated: {p}", p, expect={"content": p})
 
     def _greeting(self, thinking: bool) -> Sample:
         q = self.rng.choice(
@@ -257,7 +282,7 @@ class Generator:
         kind = {"get_weather": "weather", "calculator": "calculator", "get_time": "time", "search_web": "search"}
         kind = kind.get(fname, "generic")
         if kind == "weather":
-            city = self.rng.choice(self.cities)
+            city = self.city()
             q = self.rng.choice(
                 [
                     "What is the weather in {v}?",
@@ -269,7 +294,7 @@ class Generator:
             tool, args = WEATHER, {"city": city}
             result = f"{self.rng.choice(_CONDITIONS)}, {self.rng.randint(-10, 35)} C"
         elif kind == "time":
-            city = self.rng.choice(self.cities)
+            city = self.city()
             q = self.rng.choice(["What time is it in {v}?", "Tell me the local time in {v}."]).format(v=city)
             tool, args = TIME, {"city": city}
             result = f"{self.rng.randint(0, 23):02d}:{self.rng.randint(0, 59):02d}"
@@ -285,7 +310,7 @@ class Generator:
             result = self.phrase(3, 5)
         else:
             verb, noun = fname.split("_", 1)
-            value = self.rng.choice([self.rng.choice(self.cities), self.phrase(1, 2), str(self.rng.randint(1, 9999))])
+            value = self.rng.choice([self.city(), self.phrase(1, 2), str(self.rng.randint(1, 9999))])
             q = self.rng.choice(["Please {verb} the {noun} of {v}.", "Can you {verb} the {noun} of {v}?"])
             q = q.format(verb=verb, noun=noun, v=value)
             param = next(iter(tool["function"]["parameters"]["properties"]))
@@ -317,7 +342,7 @@ class Generator:
             msgs,
             tools,
             thinking,
-            "The tool answered.",
+            f"The tool returned {result}.",
             f"The result is {result}.",
             expect={"content": result},
         )

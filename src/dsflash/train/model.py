@@ -41,8 +41,8 @@ def demo_config(vocab_size: int, compressed_vocab: int, noise_id: int, bos: int 
         "q_lora_rank": 64,
         "o_lora_rank": 64,
         "o_groups": 2,
-        # the tools prompt is ~250 tokens: the called tool's schema stays inside the window
-        "sliding_window": 256,
+        # a tools prompt is up to ~900 tokens of the small vocabulary: the called tool's schema stays in the window
+        "sliding_window": 1024,
         "rms_norm_eps": 1e-20,
         "rope_theta": 10000,
         "compress_rope_theta": 160000,
