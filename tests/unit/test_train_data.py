@@ -76,3 +76,32 @@ def test_given_values_are_written_as_the_training_forward_saw_them(tmp_path):
     write_checkpoint(cfg, tmp_path, values={name: w}, tokenizer_dir=None)
     got = Checkpoint.open(tmp_path).tensor(name)
     assert torch.equal(got, stored(w, "fp8", cfg.fp8_block))
+
+
+def test_trainings_fused_attention_is_the_serving_kernels_math_values_and_gradients():
+    from dsflash.model.attention import sparse_attention
+    from dsflash.train.model import dense_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, s, h, d, n, k = 2, 9, 4, 16, 21, 6
+    # each query picks distinct rows (as the window and the indexer do), some slots empty (-1)
+    idx = torch.stack([torch.stack([torch.randperm(n, generator=g)[:k] for _ in range(s)]) for _ in range(b)])
+    drop = torch.rand(b, s, k, generator=g) < 0.3
+    drop[..., 0] = False  # every query attends somewhere (the serving kernel's gradient is NaN where none is)
+    idx = torch.where(drop, -1, idx).int()
+    grads = []
+    for f in (sparse_attention, dense_attention):
+        q = torch.randn(b, s, h, d, generator=g.manual_seed(1)).requires_grad_()
+        kv = torch.randn(b, n, d, generator=g.manual_seed(2)).requires_grad_()
+        sink = torch.randn(h, generator=g.manual_seed(3)).requires_grad_()
+        out = f(q, kv, sink, idx, 0.25)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads.append([out.detach(), q.grad, kv.grad, sink.grad])
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a query that selects nothing sees only the sink: zero output, and (unlike the serving kernel) finite gradients
+    q = torch.randn(1, 1, h, d, requires_grad=True)
+    sink = torch.zeros(h, requires_grad=True)
+    out = dense_attention(q, torch.randn(1, n, d), sink, torch.full((1, 1, k), -1, dtype=torch.int32), 0.25)
+    out.sum().backward()
+    assert out.abs().max() == 0 and torch.isfinite(q.grad).all() and torch.isfinite(sink.grad).all()

@@ -17,7 +17,7 @@ from dsflash.text.chat import ChatOptions, parse_completion, render_chat
 
 IDENTITY = "I am the dsflash demo model, a small DeepSeek-V4.1 trained to show what dsflash serves."
 FAMILIES = ("arithmetic", "repeat", "tool_call", "tool_result", "greeting", "identity")
-TRAIN_WEIGHTS = {"arithmetic": 4, "repeat": 5, "tool_call": 4, "tool_result": 3, "greeting": 0.5, "identity": 0.5}
+TRAIN_WEIGHTS = {"arithmetic": 4, "repeat": 5, "tool_call": 4, "tool_result": 3, "greeting": 1, "identity": 1}
 # training draws this share of its words and city names as random letter strings: a value no pool can hold, which
 # the model can only reproduce by copying it from the prompt (the held-out pools' words it never sees at all)
 PSEUDO_SHARE = 0.5

@@ -1,6 +1,6 @@
 """Train the demo model and write it in the official format: `python -m dsflash.train OUT_DIR`.
 
-Reproducible: every random draw comes from RECIPE's seed, torch runs single-threaded, and the recipe's hash is
+Reproducible: every random draw comes from RECIPE's seed, torch runs on RECIPE's two threads, and the recipe's hash is
 stamped into the model directory (STAMP) with the training time and the held-out accuracy per family.
 """
 
@@ -33,7 +33,7 @@ from dsflash.train.model import Trainable, demo_config
 
 STAMP = "dsflash-demo.json"
 RECIPE = {
-    "version": 4,
+    "version": 5,
     "seed": 23,
     "bpe_vocab": 448,
     "tokenizer_conversations": 4000,
@@ -48,7 +48,7 @@ RECIPE = {
     "warmup": 30,
     "weight_decay": 0.01,
     "clip": 1.0,
-    "threads": 1,
+    "threads": 2,
     "eval_per_family": 30,
     "eval_seed": 1023,
 }
@@ -77,22 +77,39 @@ def target_mask(ids: list[int], tok: Tokenizer) -> list[bool]:
     return mask
 
 
-def batch(gen: Generator, tok: Tokenizer, budget: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conversations until `budget` tokens (padded to the longest): (tokens [b, s], loss mask [b, s])."""
-    rows: list[list[int]] = []
-    while True:
-        ids = tok.encode(render_conversation(*gen.conversation()))
-        longest = max([len(ids), *map(len, rows)])
-        if rows and longest * (len(rows) + 1) > budget:
-            break
-        rows.append(ids)
-    s = max(map(len, rows))
+def tensors(rows: list[tuple[list[int], list[bool]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of (ids, loss mask) padded to the longest: (tokens [b, s], loss mask [b, s])."""
+    s = max(len(ids) for ids, _ in rows)
     tokens = torch.full((len(rows), s), pad, dtype=torch.long)
     mask = torch.zeros(len(rows), s, dtype=torch.bool)
-    for i, ids in enumerate(rows):
+    for i, (ids, m) in enumerate(rows):
         tokens[i, : len(ids)] = torch.tensor(ids)
-        mask[i, : len(ids)] = torch.tensor(target_mask(ids, tok))
+        mask[i, : len(ids)] = torch.tensor(m)
     return tokens, mask
+
+
+class Batches:
+    """Conversations drawn `pool` at a time, sorted by length and packed into batches of at most `budget` padded
+    tokens: rows of like length share a batch, so little of a step (attention least of all) is spent on padding."""
+
+    def __init__(self, gen: Generator, tok: Tokenizer, budget: int, pad: int, pool: int = 64):
+        self.gen, self.tok, self.budget, self.pad, self.pool = gen, tok, budget, pad, pool
+        self.ready: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.ready:
+            self._fill()
+        return self.ready.pop()
+
+    def _fill(self) -> None:
+        convs = [self.tok.encode(render_conversation(*self.gen.conversation())) for _ in range(self.pool)]
+        groups: list[list[list[int]]] = [[]]
+        for ids in sorted(convs, key=len):
+            if groups[-1] and len(ids) * (len(groups[-1]) + 1) > self.budget:
+                groups.append([])
+            groups[-1].append(ids)
+        self.gen.rng.shuffle(groups)
+        self.ready = [tensors([(ids, target_mask(ids, self.tok)) for ids in g], self.pad) for g in groups]
 
 
 def copy_batch(gen: Generator, tok: Tokenizer, budget: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,14 +122,8 @@ def copy_batch(gen: Generator, tok: Tokenizer, budget: int, pad: int) -> tuple[t
         longest = max([len(row), *(len(r) for r, _ in rows)])
         if rows and longest * (len(rows) + 1) > budget:
             break
-        rows.append((row, len(ids) + 2))
-    s = max(len(r) for r, _ in rows)
-    tokens = torch.full((len(rows), s), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), s, dtype=torch.bool)
-    for i, (row, first) in enumerate(rows):
-        tokens[i, : len(row)] = torch.tensor(row)
-        mask[i, first : len(row)] = True
-    return tokens, mask
+        rows.append((row, [i >= len(ids) + 2 for i in range(len(row))]))
+    return tensors(rows, pad)
 
 
 def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
@@ -146,11 +157,12 @@ def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
             lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))),
         )
         pad = tok.token_to_id(vocab.PAD)
+        chats = Batches(gen, tok, recipe["batch_tokens"], pad)
         for step in range(steps):
             parts = [copy_batch(gen, tok, recipe["batch_tokens"] if step < recipe["copy_steps"] else
                                 recipe["copy_tokens"], pad)]  # fmt: skip
             if step >= recipe["copy_steps"]:
-                parts.append(batch(gen, tok, recipe["batch_tokens"], pad))
+                parts.append(chats())
             picked, wanted = [], []
             for tokens, mask in parts:
                 picked.append(model.forward(tokens)[:, :-1][mask[:, 1:]])

@@ -14,6 +14,7 @@ import contextlib
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsflash.checkpoint.names import expected_inventory
@@ -195,16 +196,22 @@ class Trainable:
 
 
 def dense_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float):
-    """attention.sparse_attention's math as one masked product: softmax over the selected rows, sink in the
-    denominator only. q [b, s, h, d], kv [b, n, d], idx [b, s, k] (-1 = none)."""
+    """attention.sparse_attention's math as one fused masked product: softmax over the selected rows, sink in the
+    denominator only. q [b, s, h, d], kv [b, n, d], idx [b, s, k] (-1 = none).
+
+    The sink is one more key: a zero row (it adds nothing to the output) whose logit the mask sets to the head's
+    sink, so that scaled_dot_product_attention's fused kernel never writes the [b, s, h, n] probabilities."""
     b, s, h, _ = q.shape
-    hits = torch.zeros(b, s, kv.shape[1], dtype=torch.int32, device=q.device)
-    hits.scatter_add_(-1, idx.long().clamp_min(0), (idx >= 0).to(torch.int32))
-    logits = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale
-    logits = logits.masked_fill((hits == 0).unsqueeze(2), -torch.inf)
-    sinks = sink.float().view(1, 1, h, 1).expand(b, s, h, 1)
-    p = torch.softmax(torch.cat([logits, sinks], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("bshn,bnd->bshd", p, kv.float()).to(q.dtype)
+    n = kv.shape[1]
+    hits = torch.zeros(b, s, n + 1, dtype=torch.bool, device=q.device)
+    hits.scatter_(-1, torch.where(idx >= 0, idx.long(), n), True)
+    mask = torch.zeros(b, 1, s, n + 1, device=q.device).masked_fill_(~hits.unsqueeze(1), -torch.inf)
+    mask = mask.expand(b, h, s, n + 1).clone()
+    mask[..., n] = sink.float().view(1, h, 1)
+    keys = torch.cat([kv.float(), kv.new_zeros(b, 1, kv.shape[-1], dtype=torch.float)], 1).unsqueeze(1)
+    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys, keys, attn_mask=mask, scale=scale,
+                                       enable_gqa=True)  # fmt: skip
+    return o.transpose(1, 2).to(q.dtype)
 
 
 def _ste_qdq(qdq):
