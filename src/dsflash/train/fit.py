@@ -29,11 +29,11 @@ from dsflash.text.token_map import compressed_token_map
 from dsflash.text.tokenizer import EOS, THINK_CLOSE, THINK_OPEN, Tokenizer
 from dsflash.train import vocab
 from dsflash.train.data import FAMILIES, Generator, check_text, render_conversation
-from dsflash.train.model import Trainable, demo_config
+from dsflash.train.model import Drafts, Trainable, demo_config
 
 STAMP = "dsflash-demo.json"
 RECIPE = {
-    "version": 5,
+    "version": 6,
     "seed": 23,
     "bpe_vocab": 448,
     "tokenizer_conversations": 4000,
@@ -43,6 +43,10 @@ RECIPE = {
     "copy_steps": 300,
     "copy_tokens": 512,
     "steps": 1500,
+    # the last dspark_steps also train the DSpark head, at up to dspark_anchors draft blocks of each chat batch
+    # (its loss reaches only the stages: the backbone trains exactly as without it)
+    "dspark_steps": 400,
+    "dspark_anchors": 256,
     "batch_tokens": 1536,
     "lr": 3e-3,
     "warmup": 30,
@@ -126,6 +130,23 @@ def copy_batch(gen: Generator, tok: Tokenizer, budget: int, pad: int) -> tuple[t
     return tensors(rows, pad)
 
 
+def draft_anchors(mask: torch.Tensor, beta: int, cap: int, rng: random.Random) -> list[tuple[int, int]]:
+    """(row, p) where the DSpark head drafts after position p (p >= 1, as in serving) and the first of its beta
+    labels is an answer token; at most `cap` of them, drawn by rng."""
+    b, s = mask.shape
+    spots = [(r, p) for r in range(b) for p in range(1, s - 2) if mask[r, p + 2]]
+    return sorted(rng.sample(spots, cap)) if len(spots) > cap else spots
+
+
+def draft_losses(drafts: Drafts, logits: torch.Tensor, confidence: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(cross-entropy of the drafts plus the confidence head's BCE on whether each draft is right, top-1)."""
+    v = drafts.valid
+    right = logits[v].argmax(-1) == drafts.labels[v]
+    loss = F.cross_entropy(logits[v], drafts.labels[v])
+    loss = loss + F.binary_cross_entropy_with_logits(confidence[v], right.float())
+    return loss, right.float().mean().item()
+
+
 def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
     """Tokenizer, training, checkpoint and held-out evaluation into `out`; returns the stamp."""
     torch.set_num_threads(recipe["threads"])
@@ -158,25 +179,38 @@ def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
         )
         pad = tok.token_to_id(vocab.PAD)
         chats = Batches(gen, tok, recipe["batch_tokens"], pad)
+        backbone, stages = model.parameters(draft=False), model.parameters(draft=True)
+        anchor_rng = random.Random(seed)  # its own stream: the backbone's data are those of a run without drafts
         for step in range(steps):
             parts = [copy_batch(gen, tok, recipe["batch_tokens"] if step < recipe["copy_steps"] else
                                 recipe["copy_tokens"], pad)]  # fmt: skip
             if step >= recipe["copy_steps"]:
                 parts.append(chats())
-            picked, wanted = [], []
-            for tokens, mask in parts:
-                picked.append(model.forward(tokens)[:, :-1][mask[:, 1:]])
+            picked, wanted, draft_loss, drafted = [], [], 0.0, None
+            for k, (tokens, mask) in enumerate(parts):
+                drafts = None
+                if step >= steps - recipe["dspark_steps"] and k == len(parts) - 1:
+                    spots = draft_anchors(mask, cfg.dspark_block_size, recipe["dspark_anchors"], anchor_rng)
+                    drafts = Drafts.build(tokens, spots, cfg, wanted=mask) if spots else None
+                logits = model.forward(tokens, drafts)
+                if drafts is not None:
+                    logits, draft_loss, drafted = logits[0], *draft_losses(drafts, *logits[1:])
+                picked.append(logits[:, :-1][mask[:, 1:]])
                 wanted.append(tokens[:, 1:][mask[:, 1:]])
             logits, target = torch.cat(picked), torch.cat(wanted)
             loss = F.cross_entropy(logits, target)
             opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, recipe["clip"])
+            (loss + draft_loss).backward()
+            torch.nn.utils.clip_grad_norm_(backbone, recipe["clip"])
+            torch.nn.utils.clip_grad_norm_(stages, recipe["clip"])
             opt.step()
             sched.step()
             if step % 20 == 0 or step == steps - 1:
                 copied = (picked[0].argmax(-1) == wanted[0]).float().mean().item()
-                log(f"step {step} loss {loss.item():.3f} copy accuracy {copied:.2f} {time.perf_counter() - t0:.0f}s")
+                line = f"step {step} loss {loss.item():.3f} copy accuracy {copied:.2f}"
+                if drafted is not None:
+                    line += f" draft loss {draft_loss.item():.3f} draft top-1 {drafted:.2f}"
+                log(f"{line} {time.perf_counter() - t0:.0f}s")
         train_s = time.perf_counter() - t0
         model_dir = work / "model"
         write_checkpoint(config, model_dir, seed=seed, tokenizer_dir=work / "tokenizer", values=model.values())
@@ -186,7 +220,7 @@ def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
             **recipe,
             "train_seconds": round(train_s),
             "held_out_accuracy": acc,
-            "dspark": "not trained (random draft heads from the writer's init)",
+            "dspark": evaluate_drafts(model, tok, recipe["eval_per_family"], recipe["eval_seed"], log=log),
         }
         (model_dir / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
         if out.exists():
@@ -240,3 +274,34 @@ def evaluate(model_dir: Path, per_family: int, seed: int, log=print) -> dict[str
         log(f"held-out {family}: {acc[family]:.2f}")
     acc["thinking_closed_and_stopped"] = round(closed / max(n_think, 1), 3)
     return acc
+
+
+@torch.no_grad()
+def evaluate_drafts(model: Trainable, tok: Tokenizer, per_family: int, seed: int, log=print) -> dict:
+    """The DSpark head on held-out answers, teacher-forced at every answer position (training math, which the
+    unit tests hold equal to serving's): top-1 per draft slot and the mean number of leading right drafts, which
+    is what greedy verification accepts per pass."""
+    gen = Generator(seed + 1, held_out=True)
+    beta = model.cfg.dspark_block_size
+    right, valid, lead = torch.zeros(beta), torch.zeros(beta), []
+    for family in FAMILIES:
+        for i in range(per_family):
+            ids = tok.encode(gen.sample(family, thinking=i % 2 == 0).full())
+            tokens = torch.tensor([ids])
+            mask = torch.tensor([target_mask(ids, tok)])
+            spots = draft_anchors(mask, beta, len(ids), random.Random(0))
+            if not spots:
+                continue
+            drafts = Drafts.build(tokens, spots, model.cfg, wanted=mask)
+            _, logits, _ = model.forward(tokens, drafts)
+            ok = (logits.argmax(-1) == drafts.labels).view(-1, beta)
+            ok_valid = drafts.valid.view(-1, beta)
+            right += (ok & ok_valid).sum(0)
+            valid += ok_valid.sum(0)
+            lead += (ok & ok_valid).int().cumprod(1).sum(1).tolist()
+    out = {
+        "draft_top1": [round(float(r / max(v, 1)), 3) for r, v in zip(right, valid)],
+        "accepted_per_verify": round(sum(lead) / max(len(lead), 1), 3),
+    }
+    log(f"held-out drafts: top-1 per slot {out['draft_top1']}, accepted per verify {out['accepted_per_verify']}")
+    return out

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsflash.checkpoint.names import expected_inventory
+from dsflash.checkpoint.names import block_prefix, expected_inventory
 from dsflash.checkpoint.writer import quant_fp4, quant_rows, tensor_values
 from dsflash.config import ModelConfig, v41_checkpoint_config
 from dsflash.formats import fp4, fp8
-from dsflash.model import attention, dspark
+from dsflash.model import attention, dspark, mhc
+from dsflash.model.attention import Step
 from dsflash.model.experts import ResidentExperts
 from dsflash.model.state import DecodeState
 from dsflash.model.transformer import Transformer
@@ -147,52 +149,138 @@ class Trainable:
         self.model = Transformer(cfg, token_map=token_map, dspark=True)
         for name, p in self.model.named_parameters():
             p.data = tensor_values(cfg, name, seed)
-            p.requires_grad_(not name.startswith("mtp."))
+            p.requires_grad_(True)
         self.tables = {}
         for lid in cfg.engram_layer_ids:
             name = f"layers.{lid}.engram.embed.weight"
             table = TrainTable(tensor_values(cfg, name, seed), cfg.fp8_block)
             self.model.layers[lid].engram.embed = table
             self.tables[name] = table.table
-        self.experts = {}
-        for lid, spec in enumerate(cfg.layers()):
-            if spec.is_dspark:
-                continue  # DSpark stages are not trained here: their experts keep the writer's values
+        self.experts = {}  # (layer id, expert) -> checkpoint names of (w1, w3, w2)
+        self.leaves = {}
+        for spec in cfg.layers():
             for e in range(spec.n_experts):
-                for w in ("w1", "w3", "w2"):
-                    name = f"layers.{lid}.ffn.experts.{e}.{w}.weight"
-                    self.experts[name] = tensor_values(cfg, name, seed).requires_grad_(True)
-        # the DSpark stages are left as written: forward() never reaches them
-        self.dense = {n: p for n, p in self.model.named_parameters() if n in self.specs and not n.startswith("mtp.")}
+                names = tuple(f"{block_prefix(cfg, spec)}.ffn.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2"))
+                self.experts[(spec.layer_id, e)] = names
+                self.leaves |= {n: tensor_values(cfg, n, seed).requires_grad_(True) for n in names}
+        self.dense = {n: p for n, p in self.model.named_parameters() if n in self.specs}
         self.trained = dict(self.dense)
-        self.trained |= self.tables | self.experts
+        self.trained |= self.tables | self.leaves
 
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self.trained.values())
+    def parameters(self, draft: bool | None = None) -> list[torch.Tensor]:
+        """Every trained tensor; draft True: only the DSpark stages' (their loss reaches nothing else), False:
+        only the backbone's."""
+        if draft is None:
+            return list(self.trained.values())
+        return [t for n, t in self.trained.items() if n.startswith("mtp.") == draft]
 
     def values(self) -> dict[str, torch.Tensor]:
         """Every trained tensor by checkpoint name (fp32), for writer.write_checkpoint(values=...)."""
         return {n: t.detach().clone() for n, t in self.trained.items()}
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [b, s] from position 0 -> logits [b, s, V], with gradients."""
+    def forward(self, tokens: torch.Tensor, drafts: Drafts | None = None):
+        """tokens [b, s] from position 0 -> logits [b, s, V], with gradients; with `drafts`, also the DSpark
+        stages' logits [Q, V] and confidence [Q] at its queries, from the backbone's taps (detached: the draft loss
+        trains the stages alone, and the shared embedding and head stay the backbone's)."""
         cfg, block = self.cfg, self.cfg.fp8_block
         params = {n: stored(p, self.specs[n].row.fmt, block) for n, p in self.dense.items()}
-        routed = {}
-        for lid, spec in enumerate(cfg.layers()):
-            if not spec.is_dspark:
-                for e in range(spec.n_experts):
-                    names = [f"layers.{lid}.ffn.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
-                    routed[(lid, e)] = tuple(stored(self.experts[n], "fp4", block) for n in names)
+        routed = {
+            key: tuple(stored(self.leaves[n], "fp4", block) for n in names) for key, names in self.experts.items()
+        }
         experts = ResidentExperts(routed, cfg.swiglu_limit)
         state = DecodeState.allocate(cfg, tokens.shape[1], tokens.shape[0])
         model = self.model
         model.forward = types.MethodType(Transformer.forward.__wrapped__, model)  # without inference_mode
         try:
             with training_math():
-                return torch.func.functional_call(model, params, (tokens, 0, state, experts), strict=False)
+                logits, taps = torch.func.functional_call(model, params, (tokens, 0, state, experts), {"taps": True},
+                                                          strict=False)  # fmt: skip
+                if drafts is None:
+                    return logits
+                model.forward = types.MethodType(_draft_forward, model)
+                shared = {n: params[n].detach() for n in ("embed.weight", "head.weight")}
+                out = torch.func.functional_call(model, params | shared, (taps.detach(), drafts, experts),
+                                                 strict=False)  # fmt: skip
+                return logits, *out
         finally:
             del model.forward
+
+
+@dataclass
+class Drafts:
+    """Where a batch trains the DSpark head: for each anchor (row r, position p) the block the head drafts after
+    the backbone consumed p, teacher-forced. Its beta queries sit at p+1.. (token x[p+1], then noise), attend to
+    the backbone's window up to p and to the whole block, and draft x[p+2+i], the Markov bias taken from x[p+1+i]
+    (dspark.draft's math over every anchor of the batch at once, the batch flattened into one row)."""
+
+    ids: torch.Tensor  # [Q] the draft block's input tokens
+    positions: torch.Tensor  # [Q]
+    main_positions: torch.Tensor  # [b * s] the backbone's positions, row after row
+    idx: torch.Tensor  # [1, Q, W + beta] rows of [backbone window keys ; draft keys] each query sees (-1: none)
+    prev: torch.Tensor  # [Q] the token before each drafted one (the Markov head's input)
+    labels: torch.Tensor  # [Q]
+    valid: torch.Tensor  # [Q] bool: a label inside the row that the loss counts
+
+    @classmethod
+    def build(cls, tokens: torch.Tensor, anchors: list[tuple[int, int]], cfg: ModelConfig, wanted=None) -> Drafts:
+        """anchors (row, p) with 1 <= p; wanted [b, s] bool: which labels count (default all in the row)."""
+        b, s = tokens.shape
+        beta, W = cfg.dspark_block_size, cfg.sliding_window
+        rows = torch.tensor([r for r, _ in anchors])
+        p = torch.tensor([q for _, q in anchors])
+        j = torch.arange(beta)
+        at = p.unsqueeze(1) + 1 + j  # [A, beta] each query's position
+        ids = torch.full_like(at, cfg.dspark_noise_token_id)
+        ids[:, 0] = tokens[rows, (p + 1).clamp_max(s - 1)]
+        back = p.unsqueeze(1) - W + 1 + torch.arange(W)
+        main = torch.where(back >= 0, rows.unsqueeze(1) * s + back, -1)
+        own = b * s + torch.arange(len(anchors)).unsqueeze(1) * beta + j
+        idx = torch.cat([main, own], dim=1).repeat_interleave(beta, dim=0)
+        label_at = at + 1
+        inside = label_at < s
+        flat_rows = rows.unsqueeze(1).expand_as(at)
+        labels = tokens[flat_rows, label_at.clamp_max(s - 1)]
+        valid = inside & (wanted[flat_rows, label_at.clamp_max(s - 1)] if wanted is not None else True)
+        return cls(
+            ids.flatten(),
+            at.flatten(),
+            torch.arange(s).repeat(b),
+            idx.unsqueeze(0),
+            tokens[flat_rows, at.clamp_max(s - 1)].flatten(),
+            labels.flatten(),
+            valid.flatten(),
+        )
+
+
+def _draft_forward(model: Transformer, taps: torch.Tensor, drafts: Drafts, experts):
+    """The DSpark stages over every anchor of the batch -> (logits [Q, V] with the Markov bias, confidence [Q])."""
+    cfg, stages = model.cfg, model.mtp
+    first, last = stages[0], stages[-1]
+    main_x = first.main_norm(first.main_proj(taps.reshape(1, -1, taps.shape[-1])))
+    x = model.embed(drafts.ids.unsqueeze(0)).unsqueeze(2).repeat(1, 1, cfg.hc_mult, 1)
+    pre_mix = mhc.identity_pre(x)
+    step = Step(0, x.shape[1], None, model.qat, drafts.positions)
+    for stage in stages:
+        stage.attn.forward = types.MethodType(_draft_attention, stage.attn)
+        try:
+            x, pre_mix = stage(x, pre_mix, step, experts, main_x, drafts)
+        finally:
+            del stage.attn.forward
+    y = mhc.collapse(x, pre_mix)
+    logits = model.head(last.norm(y))
+    bias, emb = last.markov_head(drafts.prev.unsqueeze(0))
+    return (logits + bias)[0], last.confidence_head(y, emb)[0]
+
+
+def _draft_attention(self, x: torch.Tensor, step: Step, main_x: torch.Tensor, drafts: Drafts) -> torch.Tensor:
+    """DSparkAttention.forward for the flattened anchors: the window keys of the backbone's positions (seed's
+    math), then the draft keys; each query's rows from drafts.idx."""
+    main_kv = self.window_kv(main_x, self.rope.cis(drafts.main_positions), step.qat)
+    cis = self.rope.cis(drafts.positions)
+    q = self.rope.rotate(self.wq_b(self.q_norm(self.wq_a(x))).unflatten(-1, (self.n_local, self.head_dim)), cis)
+    kv = torch.cat([main_kv, self.window_kv(x, cis, step.qat)], dim=1)
+    o = dense_attention(q, kv, self.attn_sink, drafts.idx, self.scale)
+    return self.output(self.rope.rotate(o, cis, inverse=True))
 
 
 def dense_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float):

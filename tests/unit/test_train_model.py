@@ -1,0 +1,74 @@
+"""The training view (train/model.py) computes what the served checkpoint computes: the backbone's logits and the
+DSpark head's teacher-forced drafts, through the official loader, past the sliding window."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from dsflash.checkpoint.writer import write_checkpoint
+from dsflash.config import ModelConfig
+from dsflash.model import dspark
+from dsflash.service.catalog import BUNDLES, DEMO, packaged_dir
+from dsflash.text.token_map import compressed_token_map
+from dsflash.text.tokenizer import Tokenizer
+from dsflash.train import fit
+from dsflash.train.model import Drafts, Trainable, demo_config
+
+WINDOW = 12  # the demo model's window shrunk so that a short row has anchors beyond it
+
+
+def trained_view(tmp_path):
+    src = packaged_dir(BUNDLES[DEMO].packaged)
+    tok = Tokenizer.from_dir(src)
+    token_map = compressed_token_map(tok.backend)
+    config = copy.deepcopy(demo_config(tok.vocab_size, max(token_map) + 1, 3, tok.bos_id, tok.eos_id))
+    config["text_config"]["sliding_window"] = WINDOW
+    cfg = ModelConfig.from_dict(config)
+    view = Trainable(cfg, token_map, seed=7)
+    with torch.no_grad():  # away from the writer's init, so that a stage or a bias left out shows
+        for t in view.parameters():
+            t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.02)
+    write_checkpoint(config, tmp_path / "m", seed=7, tokenizer_dir=src, values=view.values())
+    return view, cfg, fit.load(tmp_path / "m")
+
+
+def test_the_training_forward_and_its_drafts_are_what_the_checkpoint_serves(tmp_path):
+    view, cfg, (_, model, experts) = trained_view(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(10, cfg.vocab_size, (2, 2 * WINDOW + 6), generator=g)
+    # the last two anchors have 2 and 1 labels left in the row
+    anchors = [(0, 1), (0, 5), (1, WINDOW + 4), (0, 2 * WINDOW + 2), (1, 2 * WINDOW + 3)]
+    drafts = Drafts.build(tokens, anchors, cfg)
+    with torch.no_grad():
+        logits, draft_logits, _ = view.forward(tokens, drafts)
+        state = model.new_state(tokens.shape[1], batch=2)
+        served = model(tokens, 0, state, experts)
+    torch.testing.assert_close(logits, served, rtol=1e-4, atol=1e-4)
+    beta = cfg.dspark_block_size
+    assert int(drafts.valid.sum()) == len(anchors) * beta - 1 - 2
+    for a, (row, p) in enumerate(anchors):
+        x = tokens[row : row + 1]
+        state = model.new_state(x.shape[1])
+        _, taps = model(x[:, : p + 1], 0, state, experts, taps=True)
+        dspark.seed(model, model.mtp, taps[:, :-1], 0, state)
+        labels = iter(x[0, p + 2 :].tolist() + [0] * beta)  # the draws are the row's own tokens: teacher forcing
+        _, want, _ = model.draft(
+            x[:, p + 1], taps[:, -1:], p, state, experts, sample=lambda _, it=labels: torch.tensor([next(it)])
+        )
+        rows = slice(a * beta, (a + 1) * beta)
+        valid = drafts.valid[rows]
+        assert torch.equal(drafts.labels[rows][valid], x[0, p + 2 : p + 2 + beta][: int(valid.sum())])
+        torch.testing.assert_close(draft_logits[rows][valid], want[0][valid], rtol=1e-4, atol=1e-4)
+
+
+def test_the_draft_loss_reaches_only_the_dspark_stages(tmp_path):
+    view, cfg, _ = trained_view(tmp_path)
+    tokens = torch.randint(10, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
+    drafts = Drafts.build(tokens, [(0, 3), (0, 9)], cfg)
+    _, draft_logits, confidence = view.forward(tokens, drafts)
+    (torch.nn.functional.cross_entropy(draft_logits, drafts.labels) + confidence.sum()).backward()
+    stages, backbone = view.parameters(draft=True), view.parameters(draft=False)
+    assert all(t.grad is None for t in backbone)
+    assert sum(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in stages) > 0.9 * len(stages)
