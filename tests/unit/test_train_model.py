@@ -34,6 +34,14 @@ def trained_view(tmp_path):
     return view, cfg, fit.load(tmp_path / "m")
 
 
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal but for FP8 activation rounding: the dense and gathered attention sum in other orders, and a value on
+    a rounding boundary of the window KV's FP8 can land one step apart (a few 1e-3 downstream, at a few positions);
+    a wrong window, position or bias moves logits by O(1) everywhere."""
+    diff = (got - want).abs()
+    assert diff.max() < 5e-2 and diff.mean() < 1e-3, (float(diff.max()), float(diff.mean()))
+
+
 def test_the_training_forward_and_its_drafts_are_what_the_checkpoint_serves(tmp_path):
     view, cfg, (_, model, experts) = trained_view(tmp_path)
     g = torch.Generator().manual_seed(3)
@@ -45,7 +53,7 @@ def test_the_training_forward_and_its_drafts_are_what_the_checkpoint_serves(tmp_
         logits, draft_logits, _ = view.forward(tokens, drafts)
         state = model.new_state(tokens.shape[1], batch=2)
         served = model(tokens, 0, state, experts)
-    torch.testing.assert_close(logits, served, rtol=1e-4, atol=1e-4)
+    close(logits, served)
     beta = cfg.dspark_block_size
     assert int(drafts.valid.sum()) == len(anchors) * beta - 1 - 2
     for a, (row, p) in enumerate(anchors):
@@ -60,7 +68,7 @@ def test_the_training_forward_and_its_drafts_are_what_the_checkpoint_serves(tmp_
         rows = slice(a * beta, (a + 1) * beta)
         valid = drafts.valid[rows]
         assert torch.equal(drafts.labels[rows][valid], x[0, p + 2 : p + 2 + beta][: int(valid.sum())])
-        torch.testing.assert_close(draft_logits[rows][valid], want[0][valid], rtol=1e-4, atol=1e-4)
+        close(draft_logits[rows][valid], want[0][valid])
 
 
 def test_the_draft_loss_reaches_only_the_dspark_stages(tmp_path):
