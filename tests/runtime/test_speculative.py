@@ -95,7 +95,7 @@ def test_greedy_speculation_is_plain_decoding(model):
             assert b[-1].finish_reason == "stop" and b[-1].stop_token
         stats = spec.speculative_stats()
         assert stats["spec_verifies"] >= 8 and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
-        if name != "demo":  # the demo model's DSpark head is untrained: its drafts are all rejected
+        if name != "demo":  # random-id prompts lie far from the demo head's training families: not asserted there
             assert stats["spec_accepted_tokens"] > 0
     finally:
         plain.close()
