@@ -153,8 +153,7 @@ class Attention(nn.Module):
         if isinstance(step, BatchStep):
             return self.forward_batch(x, step)
         cis = self.rope.cis(step.positions)
-        qr = self.q_norm(self.wq_a(x))
-        q = self.rope.rotate(self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim)), cis)
+        q, qr = self.queries(x, cis)
         kv = self.window_kv(x, cis, step.qat)
         kv, idx = self.window_rows(kv, step)
         if self.spec.ratio:
@@ -166,8 +165,7 @@ class Attention(nn.Module):
     def forward_batch(self, x: torch.Tensor, batch: BatchStep) -> torch.Tensor:
         """x [1, B, d]: the projections over all B tokens at once, the attention of each over its own state."""
         cis = self.rope.cis(batch.positions)
-        qr = self.q_norm(self.wq_a(x))
-        q = self.rope.rotate(self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim)), cis)
+        q, qr = self.queries(x, cis)
         kv_all = self.window_kv(x, cis, batch.steps[0].qat)
         outs = []
         for i, step in enumerate(batch.steps):
@@ -177,6 +175,11 @@ class Attention(nn.Module):
                 kv, idx = torch.cat([kv, ckv], dim=1), torch.cat([idx, cidx], dim=-1)
             outs.append(sparse_attention(q[:, i : i + 1], kv, self.attn_sink, idx, self.scale))
         return self.output(self.rope.rotate(torch.cat(outs, dim=1), cis, inverse=True))
+
+    def queries(self, x: torch.Tensor, cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotated queries [b, s, heads, head_dim], the normed low-rank query qr, which the indexer reads too)"""
+        qr = self.q_norm(self.wq_a(x))
+        return self.rope.rotate(self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim)), cis), qr
 
     def window_kv(self, x: torch.Tensor, cis: torch.Tensor, qat: bool) -> torch.Tensor:
         kv = self.rope.rotate(self.kv_norm(self.wkv(x)), cis)

@@ -25,8 +25,7 @@ class DSparkAttention(Attention):
         self.seed(main_x, step)
         beta, W = x.shape[1], self.window
         cis = self.rope.cis(torch.arange(step.start_pos + 1, step.start_pos + 1 + beta, device=x.device))
-        qr = self.q_norm(self.wq_a(x))
-        q = self.rope.rotate(self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim)), cis)
+        q, _ = self.queries(x, cis)
         kv = torch.cat([ring[: x.shape[0]].to(x.dtype), self.window_kv(x, cis, step.qat)], dim=1)
         filled = min(W, step.start_pos + 1)
         idx = torch.cat([torch.arange(filled), W + torch.arange(beta)]).to(x.device)
