@@ -158,6 +158,38 @@ def test_gates_cli_passes_at_its_defaults_with_evictions(cache, capsys):
     assert code == 0 and r["pass"], r
     assert r["config"]["expert_format"] == "bfp8_b" and r["config"]["tp"] == tp
     assert r["experts"]["misses"] > 0 and r["experts"]["slots"] == cfg.num_experts_per_tok
+    assert r["loss"]["engine"] == pytest.approx(r["loss"]["reference"], abs=1e-3) and r["loss"]["reference"] > 0
+
+
+def test_next_token_loss_scores_the_token_that_follows():
+    from dsflash.gates.compare import next_token_loss
+
+    logits = np.full((3, 4), -30.0)
+    logits[0, 2] = logits[1, 3] = 0.0  # row i predicts ids[i + 1]
+    assert next_token_loss(logits, [0, 2, 3]) == pytest.approx(0.0, abs=1e-9)
+    assert next_token_loss(logits, [0, 3, 2]) > 20
+
+
+def test_gates_on_the_demo_score_its_held_out_conversations(tmp_path, capsys):
+    """`--text held-out`: the demo model's generated conversations from value pools it never trained on; its loss
+    there (every token, prompts included, which it never learnt to predict) is below its loss on the mixed text,
+    and the engine's is the reference's."""
+    import dsflash
+    from dsflash.cli.main import main
+
+    demo = str(Path(dsflash.__file__).parent / "data" / "demo-v4.1")
+    losses = {}
+    for text in ("held-out", "mixed"):
+        code = main(["gates", demo, "--text", text, "--tokens", "192", "--cache-dir", str(tmp_path)])
+        r = json.loads(capsys.readouterr().out)
+        assert code == 0 and r["pass"], r
+        assert r["loss"]["engine"] == pytest.approx(r["loss"]["reference"], abs=1e-2)
+        losses[text] = r["loss"]["reference"]
+    assert losses["held-out"] < losses["mixed"] - 1, losses
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe")
+    assert main(["gates", demo, "--text", str(bad), "--cache-dir", str(tmp_path)]) == 1
+    assert "not a readable UTF-8 file" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -41,6 +41,12 @@ def compare_logits(ref: np.ndarray, got: np.ndarray, margin: float = DECISIVE_MA
     }
 
 
+def next_token_loss(logits: np.ndarray, ids: list[int]) -> float:
+    """Mean -log p(ids[i + 1]) over the rows of a prefill's logits [len(ids), V] (the last row predicts nothing)."""
+    lp = log_softmax(logits[:-1])
+    return float(-lp[np.arange(len(lp)), np.asarray(ids[1 : len(lp) + 1])].mean())
+
+
 def within_golden_tolerance(report: dict, tol: dict) -> bool:
     """The fixtures' rule: argmax equal at every decisive position, mean and max |delta| bounded."""
     return (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsflash.counters import ExpertCounters
-from dsflash.gates.compare import compare_logits
+from dsflash.gates.compare import compare_logits, next_token_loss
 from dsflash.gates.reference import reference_forward, runner_forward
 from dsflash.gates.suites import DEFAULT_TOKENS, Thresholds, gate_tokens, split
 from dsflash.runtime.reference.loader import load_reference
@@ -26,8 +26,8 @@ class Scores:
     slots: int = 0  # the engine's expert slots per rank
 
 
-def gate_ids(files: ModelFiles, tokens: int = DEFAULT_TOKENS) -> tuple[list[int], int]:
-    ids = gate_tokens(files.tokenizer.encode, files.tokenizer.bos_id, tokens)
+def gate_ids(files: ModelFiles, tokens: int = DEFAULT_TOKENS, text: str | None = None) -> tuple[list[int], int]:
+    ids = gate_tokens(files.tokenizer.encode, files.tokenizer.bos_id, tokens, text)
     return ids, split(len(ids))[0]
 
 
@@ -59,10 +59,13 @@ def _engine_scores(files: ModelFiles, ids: list[int], prefill: int, spec: Engine
         runner.close()
 
 
-def report(want: Scores, got: Scores, thresholds: Thresholds | None = None) -> dict:
+def report(want: Scores, got: Scores, thresholds: Thresholds | None = None, ids: list[int] | None = None) -> dict:
+    """Agreement per part; with the scored `ids`, also each side's mean next-token loss over the prefill."""
     keys = ("decisive_top1", "mean_kl", "n_decisive", "n")
     out = {part: {k: compare_logits(getattr(want, part), getattr(got, part))[k] for k in keys}
            for part in ("prefill", "decode")}  # fmt: skip
+    if ids is not None:
+        out["loss"] = {"reference": next_token_loss(want.prefill, ids), "engine": next_token_loss(got.prefill, ids)}
     out["experts"] = {**(got.counters or ExpertCounters()).to_json(), "slots": got.slots}
     failures = (thresholds or Thresholds()).failures(out)
     out["pass"], out["failures"] = not failures, failures
@@ -75,15 +78,17 @@ def run_gates(
     tokens: int = DEFAULT_TOKENS,
     thresholds: Thresholds | None = None,
     progress: bool = False,
+    text: str | None = None,
 ) -> dict:
-    """Score reference and engine on the same tokens; the report says which thresholds fail (if any). The
-    reference's fake-quant points follow the engine's (spec.qat) so that both compute the same model."""
+    """Score reference and engine on the same tokens of `text` (default: the bundled mixed text); the report says
+    which thresholds fail (if any) and each side's next-token loss. The reference's fake-quant points follow the
+    engine's (spec.qat) so that both compute the same model."""
     spec = resolve(spec, files.ckpt.config)  # a device this machine lacks fails now, not after the reference ran
     # the store first: a refused TP degree or a store made for something else fails before the reference runs
     prepare_store(files.ckpt, spec, progress)
-    ids, prefill = gate_ids(files, tokens)
+    ids, prefill = gate_ids(files, tokens, text)
     want = reference_scores(files, ids, prefill, spec.qat)
-    out = report(want, _engine_scores(files, ids, prefill, spec), thresholds)
+    out = report(want, _engine_scores(files, ids, prefill, spec), thresholds, ids)
     out["config"] = {
         "tp": spec.tp,
         "expert_format": spec.expert_format,

@@ -43,9 +43,12 @@ def split(total: int) -> tuple[int, int]:
     return prefill, total - prefill
 
 
-def gate_tokens(encode, bos: int | None, total: int) -> list[int]:
-    """BOS + the mixed text, repeated as needed, cut to `total` tokens."""
-    ids = ([bos] if bos is not None else []) + encode(mixed_text())
+def gate_tokens(encode, bos: int | None, total: int, text: str | None = None) -> list[int]:
+    """BOS + the text (default: the mixed text), repeated as needed, cut to `total` tokens."""
+    text = mixed_text() if text is None else text
+    ids = ([bos] if bos is not None else []) + encode(text)
+    if len(ids) < 3:
+        raise ValueError("the gate text is empty")
     while len(ids) < total:
-        ids += encode("\n\n" + mixed_text())
+        ids += encode("\n\n" + text)
     return ids[:total]
