@@ -3,7 +3,9 @@ acceptance, the cost of a verify of K+1 positions against one decode step, and t
 
 Part 1, per model with a DSpark head (the demo model, the tiny fixture): two engine runners at TP 1 over the same
 checkpoint, one plain and one speculative; the same greedy prompts run plain, with speculation and its guard, and
-with speculation held on (the guard bypassed: what a head that does not pay costs without it). Decode tokens/s
+with speculation held on (the guard bypassed: what a head that does not pay costs without it). Two prompt sets:
+random ids with EOS ignored (drafts the head cannot guess: the guard's case) and, on the demo, held-out prompts of
+its own task families, each answer ending at EOS (the case the head was trained for). Decode tokens/s
 counts from the first token to the last of each request. Costs: a plain step, a speculative runner's plain step
 (which also seeds the head), a draft of K, a verify of K+1 positions with its accept.
 
@@ -44,9 +46,9 @@ class HeldOn(speculative.Costs):
         return True
 
 
-def decode_time(engine, prompt: list[int], tokens: int) -> tuple[int, float]:
-    """(decode tokens, seconds) of one greedy request: first token to last, EOS ignored."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+def decode_time(engine, prompt: list[int], tokens: int, ignore_eos: bool) -> tuple[int, float]:
+    """(decode tokens, seconds) of one greedy request: first token to last."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=ignore_eos)
     handle = engine.submit(GenerationRequest(tuple(prompt), params))
     times = [time.perf_counter() for e in handle if e.token is not None]
     return len(times) - 1, times[-1] - times[0]
@@ -88,42 +90,66 @@ def costs(plain, spec, prompt: list[int], k: int, reps: int) -> dict:
     return out
 
 
-def with_head(name: str, model_dir: Path, args) -> None:
+def family_prompts(model_dir: Path, n: int) -> list[list[int]]:
+    """Held-out prompts of the demo's task families, in turn, half in thinking mode (what the head was trained on)."""
+    from dsflash.text.tokenizer import Tokenizer
+    from dsflash.train.data import FAMILIES, Generator
+
+    tok, gen = Tokenizer.from_dir(model_dir), Generator(2026, held_out=True)
+    return [tok.encode(gen.sample(FAMILIES[i % len(FAMILIES)], thinking=i % 2 == 0).prompt()) for i in range(n)]
+
+
+def compare(plain, spec, prompts: list[list[int]], tokens: int, eos: int | None) -> dict:
+    """Decode tokens/s plain, speculative with the guard, speculative held on, over the same greedy prompts
+    (interleaved: a shared machine's load drifts alike over all three); eos None: EOS ignored."""
+    engines = {"plain": Engine(plain, eos_ids={eos} - {None})}
+    for label in ("guarded", "held_on"):
+        engines[label] = Engine(spec, eos_ids={eos} - {None}, num_speculative_tokens=0)
+    engines["held_on"].costs = HeldOn()
+    rates, row = {label: [0, 0.0] for label in engines}, {}
+    for e in engines.values():
+        e.start()
+    for p in prompts:
+        for label, e in engines.items():
+            n, seconds = decode_time(e, p, tokens, ignore_eos=eos is None)
+            rates[label][0] += n
+            rates[label][1] += seconds
+    row["decode_tokens"] = rates["plain"][0]
+    for label, (n, seconds) in rates.items():
+        row[f"{label}_tok_s"] = n / seconds
+    for label in ("guarded", "held_on"):
+        s = engines[label].speculative_stats()
+        row[f"{label}_vs_plain"] = row[f"{label}_tok_s"] / row["plain_tok_s"]
+        row[f"{label}_verifies"] = s["spec_verifies"]
+        row[f"{label}_mean_accepted"] = s["spec_mean_accepted"]
+        row[f"{label}_guard_off_steps"] = s["spec_guard_off_steps"]
+    for e in engines.values():
+        e.close()
+    return row
+
+
+def with_head(name: str, model_dir: Path, args, families: bool) -> None:
+    """Random-id prompts (EOS ignored: what a head that cannot guess costs) and, with `families`, the demo's own
+    task families (EOS ends each answer)."""
     ckpt, token_map = open_model(model_dir, args.threads)
     cfg = ckpt.config
     rng = np.random.default_rng(0)
-    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size - 1, 24)] for _ in range(args.prompts)]
+    sets = {"random ids": [[int(t) for t in rng.integers(3, cfg.vocab_size - 1, 24)] for _ in range(args.prompts)]}
+    if families:
+        sets["task families"] = family_prompts(model_dir, args.prompts)
     common = dict(threads=args.threads, cache_dir=str(CACHE / "stores"), prefix_cache=False, expert_format="bfp8_b")
-    max_len = 24 + args.tokens + 8
+    max_len = max(len(p) for ps in sets.values() for p in ps) + args.tokens + 8
     plain_runner = start_engine(ckpt, token_map, max_len, EngineSpec(**common))
     spec_runner = start_engine(ckpt, token_map, max_len, EngineSpec(speculative="dspark", **common))
     k = cfg.dspark_block_size
     try:
         row = {"model": name, "k": k, "threads": args.threads}
-        row.update(costs(plain_runner, spec_runner, prompts[0], k, args.reps))
-        engines = {"plain": Engine(plain_runner, eos_ids=set())}
-        for label in ("guarded", "held_on"):
-            engines[label] = Engine(spec_runner, eos_ids=set(), num_speculative_tokens=0)
-        engines["held_on"].costs = HeldOn()
-        rates = {label: [0, 0.0] for label in engines}
-        for e in engines.values():
-            e.start()
-        for p in prompts:  # interleaved: a shared machine's load drifts alike over all three
-            for label, e in engines.items():
-                n, seconds = decode_time(e, p, args.tokens)
-                rates[label][0] += n
-                rates[label][1] += seconds
-        for label, (n, seconds) in rates.items():
-            row[f"{label}_tok_s"] = n / seconds
-        for label in ("guarded", "held_on"):
-            s = engines[label].speculative_stats()
-            row[f"{label}_vs_plain"] = row[f"{label}_tok_s"] / row["plain_tok_s"]
-            row[f"{label}_verifies"] = s["spec_verifies"]
-            row[f"{label}_mean_accepted"] = s["spec_mean_accepted"]
-            row[f"{label}_guard_off_steps"] = s["spec_guard_off_steps"]
-        for e in engines.values():
-            e.close()
+        row.update(costs(plain_runner, spec_runner, sets["random ids"][0], k, args.reps))
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        for label, prompts in sets.items():
+            eos = cfg.eos_token_id if label == "task families" else None
+            row = {"model": name, "prompts": label, **compare(plain_runner, spec_runner, prompts, args.tokens, eos)}
+            print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     finally:
         plain_runner.close()
         spec_runner.close()
@@ -164,8 +190,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1 if os.cpu_count() <= 2 else os.cpu_count())
     ap.add_argument("--skip-real", action="store_true", help="skip the V4.1-width part (a 5.7 GB checkpoint)")
     args = ap.parse_args()
-    with_head("demo-v4.1", DEMO, args)
-    with_head("tiny_a", TINY, args)
+    with_head("demo-v4.1", DEMO, args, families=True)
+    with_head("tiny_a", TINY, args, families=False)
     if not args.skip_real:
         real_widths(args)
 

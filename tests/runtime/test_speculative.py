@@ -54,11 +54,14 @@ def model(request):
         from pathlib import Path
 
         import dsflash
+        from dsflash.train.data import Generator
 
         files = open_dir(Path(dsflash.__file__).parent / "data" / "demo-v4.1")
-        return "demo", load_reference(files.ckpt, files.token_map), list(range(3, 300, 7))
+        # a held-out prompt of a family its head was trained on: the drafts have something to guess
+        sample = Generator(7, held_out=True).sample("identity", thinking=True)
+        return "demo", load_reference(files.ckpt, files.token_map), files.tokenizer.encode(sample.prompt())
     case = open_case(request.param)
-    return request.param, case.ref, case.tokens
+    return request.param, case.ref, case.tokens[:12]
 
 
 def _engines(loaded, costs=AlwaysDraft):
@@ -76,11 +79,10 @@ def _run(engine, prompt, **kw):
 def test_greedy_speculation_is_plain_decoding(model):
     """Every step drafts (the guard held on): tokens, logprobs, stop tokens inside accepted drafts and max_tokens
     are plain decoding's, on both tiny fixtures and the demo model."""
-    name, loaded, tokens = model
+    name, loaded, prompt = model
     plain, spec = _engines(loaded)
     try:
         for i in range(1):
-            prompt = tokens[i * 5 : i * 5 + 12 + i]
             a, b = _run(plain, prompt, logprobs=2), _run(spec, prompt, logprobs=2)
             assert [e.token for e in a] == [e.token for e in b], (name, i)
             assert [e.finish_reason for e in a] == [e.finish_reason for e in b]
@@ -95,8 +97,7 @@ def test_greedy_speculation_is_plain_decoding(model):
             assert b[-1].finish_reason == "stop" and b[-1].stop_token
         stats = spec.speculative_stats()
         assert stats["spec_verifies"] >= 8 and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
-        if name != "demo":  # random-id prompts lie far from the demo head's training families: not asserted there
-            assert stats["spec_accepted_tokens"] > 0
+        assert stats["spec_accepted_tokens"] > 0
     finally:
         plain.close()
         spec.close()
