@@ -36,9 +36,11 @@ def test_generated_twice_is_byte_identical_and_reused(tmp_path):
 
 
 def test_model_names_resolve():
-    assert choose(None).embedded and choose(None).profile.context == 9216
+    assert choose(None) == choose(DEMO)  # `make serve` answers with the trained model
+    tiny = choose(EMBEDDED)
+    assert tiny.embedded and tiny.profile.context == 9216 and "default" not in tiny.aliases
     demo = choose(DEMO)
-    assert demo.model_id == DEMO and not demo.embedded and demo.profile.context == 9216
+    assert demo.model_id == DEMO and not demo.embedded and demo.profile.context == 9216 and "default" in demo.aliases
     assert (Path(demo.source) / "config.json").is_file()  # shipped in the package, nothing to generate
     c = choose("rothgar/deepseek-v4.1-flash-p300x2", "p300x2-32k")
     assert (c.source, c.profile.context) == ("deepseek-ai/DeepSeek-V4.1-Flash@2cba9e42", 33792)

@@ -21,8 +21,8 @@ def add_parser(sub) -> None:
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Boot MODEL (resolve, check, load, warm up) and serve /v1/models, /v1/completions, "
-        "/v1/chat/completions, /tokenize, /detokenize, /health and /metrics. One sequence at a time; "
-        "requests queue. Without MODEL: the embedded tiny model, generated on first boot.",
+        "/v1/chat/completions, /v1/responses, /tokenize, /detokenize, /health and /metrics. Without MODEL: the "
+        "demo model trained here and shipped in the package (dsflash-demo-v4.1).",
         formatter_class=HelpFormatter,
     )
     p.add_argument(
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
         default=None,
         metavar="MODEL",
         help="bundle name (see `dsflash profiles`), Hub repo id[@revision] or model directory "
-        "(default: the embedded dsflash-tiny-v4.1)",
+        "(default: the packaged dsflash-demo-v4.1; dsflash-tiny-v4.1 is the random one, generated on first boot)",
     )
     p.add_argument("--profile", default=None, help="bundle profile (default: the bundle's first profile)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -16,8 +16,8 @@ DEFAULT_CONTEXT = 9216
 DEFAULT_PROFILE = "default"
 DEMO = "dsflash-demo-v4.1"  # trained here, shipped in the package (src/dsflash/train, data/demo-v4.1)
 EMBEDDED = "dsflash-tiny-v4.1"  # random, with the real tokenizer, generated on first boot (tests, benchmarks)
-# what `dsflash serve` serves without a MODEL argument; DEMO once it meets issue 23's accuracy (docs/performance.md)
-DEFAULT_MODEL = EMBEDDED
+# what `dsflash serve` (and `make serve`) serves without a MODEL argument: the model that answers
+DEFAULT_MODEL = DEMO
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w.-]+)?$")
 
 
@@ -107,7 +107,7 @@ class ModelChoice:
 
 
 def choose(spec: str | None, profile: str | None = None) -> ModelChoice:
-    """MODEL (or None for the embedded default) and --profile -> ModelChoice; unknown names fail with one line."""
+    """MODEL (or None for DEFAULT_MODEL) and --profile -> ModelChoice; unknown names fail with one line."""
     spec = spec or DEFAULT_MODEL
     bundle = BUNDLES.get(spec)
     if bundle is not None:
@@ -116,7 +116,8 @@ def choose(spec: str | None, profile: str | None = None) -> ModelChoice:
             aliases = ("default",) if bundle.name == DEFAULT_MODEL else ()
             return ModelChoice(bundle.name, str(packaged_dir(bundle.packaged)), prof, bundle, aliases=aliases)
         if bundle.repo is None:
-            return ModelChoice(bundle.name, EMBEDDED, prof, bundle, aliases=("default",))
+            aliases = ("default",) if bundle.name == DEFAULT_MODEL else ()
+            return ModelChoice(bundle.name, EMBEDDED, prof, bundle, aliases=aliases)
         source = f"{bundle.repo}@{bundle.revision}"
         return ModelChoice(bundle.name, source, prof, bundle, aliases=(bundle.repo, source))
     generic = Bundle(spec, None, None, (_DEFAULT,), "")
