@@ -171,9 +171,9 @@ def test_next_token_loss_scores_the_token_that_follows():
 
 
 def test_gates_on_the_demo_score_its_held_out_conversations(tmp_path, capsys):
-    """`--text held-out`: the demo model's generated conversations from value pools it never trained on; its loss
-    there (every token, prompts included, which it never learnt to predict) is below its loss on the mixed text,
-    and the engine's is the reference's."""
+    """`--text held-out`: the demo model's generated conversations from value pools it never trained on are what is
+    scored (over these first 192 tokens, a sum's and a repeat's conversations, its loss is more than a nat below
+    the mixed text's), and the engine's loss is the reference's."""
     import dsflash
     from dsflash.cli.main import main
 

@@ -46,9 +46,10 @@ def split(total: int) -> tuple[int, int]:
 def gate_tokens(encode, bos: int | None, total: int, text: str | None = None) -> list[int]:
     """BOS + the text (default: the mixed text), repeated as needed, cut to `total` tokens."""
     text = mixed_text() if text is None else text
-    ids = ([bos] if bos is not None else []) + encode(text)
-    if len(ids) < 3:
-        raise ValueError("the gate text is empty")
+    body = encode(text)
+    if not body:  # the repetition below would never end
+        raise ValueError("the gate text encodes to no tokens")
+    ids = ([bos] if bos is not None else []) + body
     while len(ids) < total:
         ids += encode("\n\n" + text)
     return ids[:total]
