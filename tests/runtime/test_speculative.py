@@ -82,19 +82,16 @@ def test_greedy_speculation_is_plain_decoding(model):
     name, loaded, prompt = model
     plain, spec = _engines(loaded)
     try:
-        for i in range(1):
-            a, b = _run(plain, prompt, logprobs=2), _run(spec, prompt, logprobs=2)
-            assert [e.token for e in a] == [e.token for e in b], (name, i)
-            assert [e.finish_reason for e in a] == [e.finish_reason for e in b]
-            for x, y in zip(a, b, strict=True):
-                assert x.logprob == pytest.approx(y.logprob, abs=1e-4) and [t for t, _ in x.top] == [
-                    t for t, _ in y.top
-                ]
-            plain_tokens = [e.token for e in a]
-            stop = plain_tokens[6 + i]
-            b = _run(spec, prompt, stop_token_ids=(stop,), max_tokens=10)
-            assert [e.token for e in b] == plain_tokens[: plain_tokens.index(stop) + 1]
-            assert b[-1].finish_reason == "stop" and b[-1].stop_token
+        a, b = _run(plain, prompt, logprobs=2), _run(spec, prompt, logprobs=2)
+        assert [e.token for e in a] == [e.token for e in b], name
+        assert [e.finish_reason for e in a] == [e.finish_reason for e in b]
+        for x, y in zip(a, b, strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4) and [t for t, _ in x.top] == [t for t, _ in y.top]
+        plain_tokens = [e.token for e in a]
+        stop = plain_tokens[6]
+        b = _run(spec, prompt, stop_token_ids=(stop,), max_tokens=10)
+        assert [e.token for e in b] == plain_tokens[: plain_tokens.index(stop) + 1]
+        assert b[-1].finish_reason == "stop" and b[-1].stop_token
         stats = spec.speculative_stats()
         assert stats["spec_verifies"] >= 8 and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
         assert stats["spec_accepted_tokens"] > 0
