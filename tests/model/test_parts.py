@@ -86,11 +86,27 @@ def test_sparse_attention_sink_and_selection():
     torch.testing.assert_close(with_sink[:, 0], no_sink[:, 0] * (z / (z + sink.exp())).unsqueeze(-1))
 
 
+def test_sparse_attention_is_the_same_over_few_rows_and_many():
+    # few rows (a short context, a verify's queries): every query against every row; many (a long context's
+    # compressed cache): the selected rows gathered per query. The same selection gives the same output.
+    torch.manual_seed(2)
+    q, kv, sink = torch.randn(2, 3, 4, 16), torch.randn(2, 40, 16), torch.randn(4)
+    idx = torch.stack([torch.randperm(10)[:8] for _ in range(6)]).view(2, 3, 8)
+    idx[0, 1, 5:] = -1
+    idx[1, 2, :] = -1  # a query that selects nothing gets zeros
+    many = sparse_attention(q, kv, sink, idx, 0.25)
+    few = sparse_attention(q, kv[:, :10], sink, idx, 0.25)  # 10 rows for 8 selected
+    torch.testing.assert_close(few, many, rtol=1e-6, atol=1e-6)
+    assert not many[1, 2].any() and many[0, 1].abs().sum() > 0
+
+
 def test_window_indices_cover_the_last_w_positions():
     idx = window_indices(start_pos=10, length=3, n_prev=4, window=4, device="cpu")
     # rows: [pos 6, 7, 8, 9 (previous) ; 10, 11, 12 (chunk)]; query at pos 10 sees 7..10 = rows 1..4
     assert idx.tolist() == [[1, 2, 3, 4], [2, 3, 4, 5], [3, 4, 5, 6]]
-    assert window_indices(0, 2, 0, 4, "cpu").tolist() == [[-1, -1, -1, 0], [-1, -1, 0, 1]]
+    # early in a sequence: as many columns as there are rows, not the window's
+    assert window_indices(0, 2, 0, 4, "cpu").tolist() == [[-1, 0], [0, 1]]
+    assert window_indices(3, 2, 3, 8, "cpu").tolist() == [[-1, 0, 1, 2, 3], [0, 1, 2, 3, 4]]
 
 
 def test_static_window_rows_see_what_the_ring_holds():

@@ -25,7 +25,7 @@ def slots_server(tmp_path_factory, model_cache):
 
 
 def test_chat_and_completions_on_the_slot_engine(slots_server):
-    out = slots_server.output()
+    out = slots_server.wait_output("backend engine")  # the ready card follows the first healthy /health
     assert "backend engine" in out and "24 expert slots per rank" in out and "TP 2" in out
     client = openai.OpenAI(
         base_url=slots_server.base + "/v1", api_key="x", max_retries=0, _strict_response_validation=True

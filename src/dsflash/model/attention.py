@@ -63,6 +63,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     Softmax over the selected rows with the per-head sink logit in the denominator only.
     """
     b, s, h, d = q.shape
+    if kv.shape[1] <= 2 * idx.shape[-1] and b * s * h * kv.shape[1] <= _GATHER_BUDGET:
+        return _dense_attention(q, kv, sink, idx, scale)
     out = torch.empty(b, s, h, d, dtype=torch.float32, device=q.device)
     step = max(1, _GATHER_BUDGET // max(1, b * idx.shape[-1] * d))
     batch = torch.arange(b, device=q.device).view(b, 1, 1)
@@ -77,6 +79,23 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
         denom = p.sum(dim=-1) + torch.exp(sink.float().view(1, 1, h) - top.squeeze(-1))
         out[:, i : i + step] = torch.einsum("bchk,bckd->bchd", p, rows) / denom.unsqueeze(-1)
     return out.to(q.dtype)
+
+
+def _dense_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float):
+    """sparse_attention where the selection covers most rows (a short context, a verify's few queries over the
+    same window): every query against every row, the selected logits picked out and the weights scattered back,
+    instead of a [k, d] copy of the rows per query."""
+    b, s, h, _ = q.shape
+    rows = kv.float()
+    sel = idx.long()
+    at = sel.clamp_min(0).unsqueeze(2).expand(b, s, h, sel.shape[-1])
+    logits = torch.einsum("bshd,bnd->bshn", q.float(), rows).gather(-1, at)
+    logits = torch.where((sel >= 0).unsqueeze(2), logits, -torch.inf) * scale
+    top = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
+    p = torch.exp(logits - top)  # 0 where not selected: its scatter onto row 0 adds nothing
+    denom = p.sum(dim=-1) + torch.exp(sink.float().view(1, 1, h) - top.squeeze(-1))
+    weights = torch.zeros(b, s, h, rows.shape[1], dtype=torch.float32, device=q.device).scatter_add_(-1, at, p)
+    return (torch.einsum("bshn,bnd->bshd", weights, rows) / denom.unsqueeze(-1)).to(q.dtype)
 
 
 def _group(step: Step, r: int) -> int | torch.Tensor:
@@ -96,9 +115,11 @@ def static_window_rows(ring: torch.Tensor, kv: torch.Tensor, pos: torch.Tensor) 
 
 
 def window_indices(start_pos: int, length: int, n_prev: int, window: int, device) -> torch.Tensor:
-    """Rows of [previous n_prev window rows ; this chunk] each query sees: its last `window` positions."""
+    """Rows of [previous n_prev window rows ; this chunk] each query sees: its last `window` positions. Only as
+    many columns as there are rows: early in a sequence a window-wide index would gather mostly nothing."""
+    width = min(window, n_prev + length)
     last = n_prev + torch.arange(length, device=device).unsqueeze(1)  # query's own row
-    idx = last - window + 1 + torch.arange(window, device=device)
+    idx = last - width + 1 + torch.arange(width, device=device)
     return torch.where(idx < 0, -1, idx)
 
 
