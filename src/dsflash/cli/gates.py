@@ -13,9 +13,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "gates",
         help="compare the engine with the CPU reference (decisive top-1, mean KL)",
-        description="Score the reference and the engine on the same bundled mixed text: a prefill, then teacher-"
-        "forced decode steps. A position is decisive when the reference's top-1 logit margin is >= 0.10; KL is "
-        "KL(p_ref || p_engine). Prints one JSON report; exits 1 when a threshold fails.",
+        description="Score the reference and the engine on the same text (the bundled mixed text unless --text "
+        "says otherwise): a prefill, then teacher-forced decode steps. A position is decisive when the "
+        "reference's top-1 logit margin is >= 0.10; KL is KL(p_ref || p_engine). Prints one JSON report; exits 1 "
+        "when a threshold fails.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", help="model directory or Hub repo id[@revision]")

@@ -67,16 +67,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
         return _dense_attention(q, kv, sink, idx, scale)
     out = torch.empty(b, s, h, d, dtype=torch.float32, device=q.device)
     step = max(1, _GATHER_BUDGET // max(1, b * idx.shape[-1] * d))
-    batch = torch.arange(b, device=q.device).view(b, 1, 1)
+    batch, kv = torch.arange(b, device=q.device).view(b, 1, 1), kv.float()
     for i in range(0, s, step):
         sl = idx[:, i : i + step].long()
-        valid = sl >= 0
-        rows = kv.float()[batch, sl.clamp_min(0)]  # [b, c, k, d]
+        rows = kv[batch, sl.clamp_min(0)]  # [b, c, k, d]
         logits = torch.einsum("bchd,bckd->bchk", q[:, i : i + step].float(), rows)
-        logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
-        top = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
-        p = torch.exp(logits - top)
-        denom = p.sum(dim=-1) + torch.exp(sink.float().view(1, 1, h) - top.squeeze(-1))
+        p, denom = _sink_softmax(logits, sl >= 0, sink, scale)
         out[:, i : i + step] = torch.einsum("bchk,bckd->bchd", p, rows) / denom.unsqueeze(-1)
     return out.to(q.dtype)
 
@@ -90,12 +86,18 @@ def _dense_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx:
     sel = idx.long()
     at = sel.clamp_min(0).unsqueeze(2).expand(b, s, h, sel.shape[-1])
     logits = torch.einsum("bshd,bnd->bshn", q.float(), rows).gather(-1, at)
-    logits = torch.where((sel >= 0).unsqueeze(2), logits, -torch.inf) * scale
-    top = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
-    p = torch.exp(logits - top)  # 0 where not selected: its scatter onto row 0 adds nothing
-    denom = p.sum(dim=-1) + torch.exp(sink.float().view(1, 1, h) - top.squeeze(-1))
+    p, denom = _sink_softmax(logits, sel >= 0, sink, scale)  # p is 0 where not selected: its scatter adds nothing
     weights = torch.zeros(b, s, h, rows.shape[1], dtype=torch.float32, device=q.device).scatter_add_(-1, at, p)
     return (torch.einsum("bshn,bnd->bshd", weights, rows) / denom.unsqueeze(-1)).to(q.dtype)
+
+
+def _sink_softmax(logits: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor, scale: float):
+    """logits [b, s, h, k] of the selected rows, valid [b, s, k] -> (unnormalised weights, their denominator with
+    the per-head sink's mass)."""
+    logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
+    top = logits.amax(dim=-1, keepdim=True).clamp_min(-1e30)
+    p = torch.exp(logits - top)
+    return p, p.sum(dim=-1) + torch.exp(sink.float().view(1, 1, logits.shape[2]) - top.squeeze(-1))
 
 
 def _group(step: Step, r: int) -> int | torch.Tensor:
