@@ -133,6 +133,26 @@ def test_a_dead_rank_fails_the_engine_fast_and_clearly(tp2):
         tp2.close()
 
 
+def test_an_idle_engine_outlives_the_collective_timeout(tmp_path, monkeypatch):
+    """The followers wait for the next step in a collective with the group's timeout; the engine's keep-alive
+    steps let a server idle longer than that serve its next request (without them it fails: RankFailed)."""
+    monkeypatch.setenv("DSFLASH_COLLECTIVE_TIMEOUT_S", "10")  # read by every rank as it joins (spawned: inherited)
+    files = open_dir(ROOT / "tiny_a" / "model")
+    build_store(files.ckpt, str(tmp_path), tp=2, fmt="bfp4_b", progress=False)
+    spec = EngineSpec(tp=2, expert_slots=8, expert_format="bfp4_b", cache_dir=str(tmp_path), threads=1)
+    runner = start_engine(files.ckpt, files.token_map, 256, spec)
+    engine = Engine(runner, eos_ids=set()).start()
+    try:
+        request = GenerationRequest((5, 6, 7), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        first = [e.token for e in engine.submit(request)]
+        time.sleep(14)
+        assert [e.token for e in engine.submit(request)] == first
+        assert all(p.is_alive() for p in runner.procs)
+    finally:
+        engine.close()
+        runner.close()
+
+
 def test_stop_frees_every_rank(tp2):
     procs = list(tp2.procs)
     tp2.reset()

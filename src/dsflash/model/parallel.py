@@ -3,11 +3,34 @@ torch.distributed collectives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# how long a watched collective waits between two looks at its peers
+WAIT_SLICE = timedelta(seconds=1)
+
+
+def collective(run: Callable, *args, watch: Callable[[], None] | None = None, **kwargs) -> None:
+    """Run a torch.distributed collective; with watch, wait for it in slices and call watch() between them (it
+    raises where a peer process is gone). gloo does not always fail a send whose peer was killed: it can wait out
+    the group's whole timeout (tests/model/test_parallel_watch.py)."""
+    if watch is None:
+        run(*args, **kwargs)
+        return
+    work = run(*args, async_op=True, **kwargs)
+    while True:
+        try:
+            work.wait(timeout=WAIT_SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():  # failed, not merely unfinished
+                raise
+        watch()
 
 
 @dataclass(frozen=True)
@@ -18,6 +41,8 @@ class TP:
     rank: int = 0
     group: Any = None
     host_staging: bool = False  # collectives of device tensors go through host copies (gloo between GPU ranks)
+    # rank 0's look at the processes it spawned, between slices of a gloo collective (NCCL waits as it does)
+    watch: Callable[[], None] | None = None
 
     @classmethod
     def single(cls) -> TP:
@@ -26,6 +51,9 @@ class TP:
     @classmethod
     def from_process_group(cls, group: Any = None, host_staging: bool = False) -> TP:
         return cls(size=dist.get_world_size(group), rank=dist.get_rank(group), group=group, host_staging=host_staging)
+
+    def _run(self, run: Callable, *args, **kwargs) -> None:
+        collective(run, *args, watch=self.watch if self.group is None else None, group=self.group, **kwargs)
 
     def _staged(self, x: torch.Tensor) -> torch.Tensor:
         return x.cpu() if self.host_staging else x
@@ -44,7 +72,7 @@ class TP:
         if self.size == 1:
             return x
         y = self._staged(x.float())
-        dist.all_reduce(y, group=self.group)
+        self._run(dist.all_reduce, y)
         return y.to(device=x.device, dtype=x.dtype)
 
     def agree_min(self, n: int) -> int:
@@ -53,7 +81,7 @@ class TP:
             return n
         nccl = dist.get_backend(self.group) == "nccl"
         t = torch.tensor([n], dtype=torch.int64, device="cuda" if nccl else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        self._run(dist.all_reduce, t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,5 +90,5 @@ class TP:
             return x
         mine = self._staged(x.contiguous())
         parts = [torch.empty_like(mine) for _ in range(self.size)]
-        dist.all_gather(parts, mine, group=self.group)
+        self._run(dist.all_gather, parts, mine)
         return torch.cat(parts, dim=-1).to(x.device)

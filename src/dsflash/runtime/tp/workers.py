@@ -21,7 +21,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import socket
+import threading
+import time
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -30,8 +34,8 @@ import torch.distributed as dist
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.config import ModelConfig
 from dsflash.counters import ExpertCounters
-from dsflash.errors import ConfigError, EngineDead
-from dsflash.model.parallel import TP
+from dsflash.errors import ConfigError, DsflashError, EngineDead
+from dsflash.model.parallel import TP, collective
 from dsflash.runtime.prefix.shelf import Shelf, Taken, state_bytes
 from dsflash.runtime.spec import EngineSpec, check_tp
 from dsflash.runtime.tp.rank import RankRuntime, rank_device
@@ -42,12 +46,16 @@ log = logging.getLogger(__name__)
 
 FORWARD, RESET, STOP, SNAPSHOT, RESTORE, DROP, SELECT, DECODE = 1, 2, 3, 4, 5, 6, 7, 8
 VERIFY, ACCEPT, DRAFT = 9, 10, 11  # speculative decoding; VERIFY: as FORWARD; ACCEPT: op, 0, n kept; DRAFT: below
+NOOP = 12  # an idle engine's keep-alive (TPRunner._keep_alive)
 # op, start_pos, n tokens, last position's logits only; snapshot ops: op, length, key, flags; SELECT: op, sequence
 # slot; DECODE: op, 0, B (then a [3, B] tensor: tokens, positions, sequence slots)
 HEADER = 4
 KEEP, WRITE, FROM_DISK, MEMORY, DISK = 1, 2, 4, 8, 16  # the snapshot ops' flags
-# a collective stuck this long means a peer hangs (a dead peer fails at once: its sockets close)
+# a collective stuck this long means a peer hangs (a dead peer fails at once: its sockets close);
+# $DSFLASH_COLLECTIVE_TIMEOUT_S sets it (tests), read when a rank joins
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+# an idle engine sends a step at least this often, and 4 times per collective timeout where that is shorter
+KEEPALIVE_S = 60.0
 # after a failed step, how long each rank has to reach its next collective and report (one layer's work at most)
 REPORT_TIMEOUT_S = 120
 
@@ -67,8 +75,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _collective_timeout() -> timedelta:
+    seconds = os.environ.get("DSFLASH_COLLECTIVE_TIMEOUT_S")
+    return timedelta(seconds=float(seconds)) if seconds else COLLECTIVE_TIMEOUT
+
+
 def _join(rank: int, world: int, init_method: str) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    timeout = _collective_timeout()
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=timeout)
 
 
 def _model_group(device: str, rank: int, world: int) -> TP:
@@ -80,7 +94,7 @@ def _model_group(device: str, rank: int, world: int) -> TP:
     nccl = on_gpu and torch.cuda.device_count() >= local_world(world)
     if on_gpu:
         torch.cuda.set_device(rank_device(device, rank))
-    group = dist.new_group(backend="nccl", timeout=COLLECTIVE_TIMEOUT) if nccl else None
+    group = dist.new_group(backend="nccl", timeout=_collective_timeout()) if nccl else None
     return TP.from_process_group(group, host_staging=on_gpu and not nccl)
 
 
@@ -208,6 +222,7 @@ def follow(rt: RankRuntime) -> None:
             _restore(rt.shelf, n, start_pos, last_only, rt.speculation)
         elif op == DROP:
             rt.shelf.drop(n, memory=bool(last_only & MEMORY), disk=bool(last_only & DISK))
+        # NOOP: nothing; the header itself kept this rank's wait short of the timeout
 
 
 def _sampling(t: torch.Tensor) -> tuple:
@@ -255,6 +270,11 @@ class TPRunner:
         self.procs: list[mp.process.BaseProcess] = []
         self._pipes: list = []
         self.closed = False
+        # steps come from the engine thread, keep-alives from their own: one at a time over the group
+        self._lock = threading.RLock()
+        self._last_step = time.monotonic()
+        self._closing = threading.Event()
+        self._keeper: threading.Thread | None = None
         job = (model_dir, max_len, spec)
         launched = launched_rank()
         if launched is not None:
@@ -277,7 +297,7 @@ class TPRunner:
         try:
             if self.world > 1:
                 _join(0, self.world, init)
-                self.tp = _model_group(spec.device, 0, self.world)
+                self.tp = replace(_model_group(spec.device, 0, self.world), watch=self._watch)
             else:
                 self.tp = TP.single()
             self.rank0 = RankRuntime(model_dir, max_len, spec, self.tp, token_map)
@@ -290,19 +310,39 @@ class TPRunner:
         """Every rank's decode state, slot pool and graphs; returns once every rank is ready to run."""
         if launched_rank() is not None:
             self._torchrun_step(self.rank0.allocate)
-            return
-        try:
-            self.rank0.allocate()
-            for rank, pipe in enumerate(self._pipes, start=1):
-                msg = pipe.recv() if pipe.poll(600) else f"rank {rank}: did not start within 10 minutes"
-                if msg != "ok":
-                    raise EngineDead(f"tensor-parallel {msg}")
-        except BaseException as e:
-            failed = self._reported_failure()  # a rank that failed to build ends rank 0's collectives: say why
-            self._kill()
-            if failed is not None and not isinstance(e, EngineDead):
-                raise EngineDead(f"tensor-parallel {failed}") from e
-            raise
+        else:
+            try:
+                self.rank0.allocate()
+                for rank, pipe in enumerate(self._pipes, start=1):
+                    msg = pipe.recv() if pipe.poll(600) else f"rank {rank}: did not start within 10 minutes"
+                    if msg != "ok":
+                        raise EngineDead(f"tensor-parallel {msg}")
+            except BaseException as e:
+                failed = self._reported_failure()  # a rank that failed to build ends rank 0's collectives: say why
+                self._kill()
+                if failed is not None and not isinstance(e, EngineDead):
+                    raise EngineDead(f"tensor-parallel {failed}") from e
+                raise
+        if self.world > 1:
+            self._last_step = time.monotonic()
+            self._keeper = threading.Thread(target=self._keep_alive, name="dsflash-tp-keepalive", daemon=True)
+            self._keeper.start()
+
+    def _keep_alive(self) -> None:
+        """The followers wait for the next step in a collective that fails after the group's timeout: a server idle
+        that long would lose its next request. An idle engine sends an empty step well before."""
+        every = min(KEEPALIVE_S, _collective_timeout().total_seconds() / 4)
+        while not self._closing.wait(every / 2):
+            with self._lock:
+                if self.closed or time.monotonic() - self._last_step < every:
+                    continue
+                try:
+                    self._guarded(NOOP, 0, 0, 0, None, lambda: None)
+                except EngineDead as e:  # the engine's next step reports it
+                    log.warning("tensor-parallel keep-alive: %s", e)
+                    return
+                except Exception as e:  # a failed step the ranks rejoined after: go on
+                    log.warning("tensor-parallel keep-alive: %s", e)
 
     def _reported_failure(self) -> str | None:
         for pipe in self._pipes:
@@ -344,21 +384,31 @@ class TPRunner:
         if self.world == 1:
             return
         header = torch.tensor([op, start_pos, n, int(last_only)], dtype=torch.int64)
-        dist.broadcast(header, src=0)
+        self._broadcast(header)
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        collective(dist.broadcast, t, src=0, watch=self._watch if self.procs else None)
+
+    def _watch(self) -> None:
+        """Between slices of a collective: raise EngineDead where a rank this process spawned has exited."""
+        if any(not p.is_alive() for p in self.procs):
+            raise self._dead(RuntimeError("it exited while rank 0 waited for it in a collective"))
 
     def _guarded(self, op: int, a: int, n: int, flag: int, payload, run):
         """Header, payload broadcast (if any), then rank 0's own call; a failure on any rank -> _failed()."""
-        try:
-            self._step(op, a, n, flag)
-            if self.world > 1 and payload is not None:
-                dist.broadcast(payload, src=0)
-            return run()
-        except EngineDead:
-            raise
-        except Exception as e:
-            if self.world == 1:
+        with self._lock:
+            self._last_step = time.monotonic()
+            try:
+                self._step(op, a, n, flag)
+                if self.world > 1 and payload is not None:
+                    self._broadcast(payload)
+                return run()
+            except EngineDead:
                 raise
-            raise self._failed(e) from e
+            except Exception as e:
+                if self.world == 1:
+                    raise
+                raise self._failed(e) from e
 
     def _failed(self, e: Exception) -> Exception:
         """A step failed on some rank: EngineDead where a rank is gone or the group cannot be rebuilt (NCCL,
@@ -466,8 +516,11 @@ class TPRunner:
     def close(self) -> None:
         if self.closed:  # once: a failed step closes the ranks, and its caller's cleanup may close them again
             return
+        self._closing.set()
+        if self._keeper is not None:
+            self._keeper.join()
         self.closed = True
-        with contextlib.suppress(RuntimeError):  # a dead peer needs no stop message
+        with contextlib.suppress(RuntimeError, DsflashError):  # a dead peer needs no stop message
             self._step(STOP)
         for pipe in self._pipes:  # a rank waiting to rejoin after a failed step nobody noticed: leave
             with contextlib.suppress(OSError):
