@@ -13,6 +13,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from dsflash.runtime.prefix.cache import prefix_cache
 from dsflash.runtime.scheduler.batch import BatchEngine, PrefillPacer
@@ -294,3 +295,17 @@ def _prefix_restores_into_each_slot(rec, runner, spec, requests, solo):
         assert _tokens(again[k]) == _tokens(solo[i][0]), k
         # the slot computed decode positions only (a prefill's last position would be the prompt's last)
         assert min(pos for slot, pos in rec.rows if slot == k) == len(requests[i].prompt), k
+
+
+def test_a_decode_step_keeps_every_row_on_the_gemv_kernels():
+    """Where prefill's matrix kernels win from few rows (AMX, the fp32 panel kernel), a batched decode step still
+    multiplies its rows as GEMVs: each row's sums then do not depend on the batch (the exactness above)."""
+    from dsflash.runtime.cpu import dense, native, rows
+    from dsflash.runtime.experts import device
+
+    with rows.decoding():
+        for mode in (native.BF16X2, torch.float32, torch.bfloat16):
+            assert device.gemv_rows(mode) == device.GEMV_MAX_ROWS
+            assert dense._gemv_rows(mode, "bf16") == dense.GEMV_MAX_ROWS
+            assert dense._gemv_rows(mode, "fp8") == native.fp8_gemv_max_rows(dense.GEMV_MAX_ROWS)
+    assert not rows.is_decoding()

@@ -19,7 +19,7 @@ from torch import nn
 from dsflash.formats import fp8
 from dsflash.model.block import Head
 from dsflash.model.layers import Linear, RowParallelLinear
-from dsflash.runtime.cpu import hugepages, native
+from dsflash.runtime.cpu import hugepages, native, rows
 
 GEMV_MAX_ROWS = 8  # more rows are multiplied as matrices
 # where the matrices are multiplied on AMX (bf16x2), the GEMV is faster only for fewer rows (2 cores, 4096 x 5120:
@@ -28,7 +28,7 @@ AMX_GEMV_MAX_ROWS = {"fp8": 4, "bf16": 1}
 
 
 def _gemv_rows(matmul, fmt: str) -> int:
-    if matmul == native.BF16X2 and native.amx_ready():
+    if matmul == native.BF16X2 and native.amx_ready() and not rows.is_decoding():
         return AMX_GEMV_MAX_ROWS[fmt]
     return native.fp8_gemv_max_rows(GEMV_MAX_ROWS) if fmt == "fp8" else GEMV_MAX_ROWS
 

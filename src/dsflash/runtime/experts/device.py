@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dsflash.model.experts import swiglu
-from dsflash.runtime.cpu import hugepages, native
+from dsflash.runtime.cpu import hugepages, native, rows
 from dsflash.runtime.experts import filemap
 
 # a copy into a slot is split over the rank's threads above this size: one thread copying from the page cache gets
@@ -97,7 +97,10 @@ def expert_sum(
 
 
 def gemv_rows(dtype) -> int:
-    """The most rows of x an expert's product takes as GEMVs on the tiles in this prefill mode; more are matrices."""
+    """The most rows of x an expert's product takes as GEMVs on the tiles in this prefill mode; more are matrices.
+    A batched decode step (rows.decoding) keeps them all on the GEMVs: each token gets its solo bits."""
+    if rows.is_decoding():
+        return GEMV_MAX_ROWS
     if dtype == native.BF16X2 and native.amx_ready():
         return AMX_GEMV_MAX_ROWS
     return F32_GEMV_MAX_ROWS if dtype == torch.float32 and native.f32_packed_ready() else GEMV_MAX_ROWS

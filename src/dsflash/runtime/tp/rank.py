@@ -16,7 +16,7 @@ from dsflash.model.dspark import Speculation, draft_sampler
 from dsflash.model.engram import EngramTable
 from dsflash.model.parallel import TP
 from dsflash.model.transformer import Transformer
-from dsflash.runtime.cpu import fused, native
+from dsflash.runtime.cpu import fused, native, rows
 from dsflash.runtime.cpu.dense import pack_dense
 from dsflash.runtime.experts.cached import CachedExperts
 from dsflash.runtime.experts.device import CpuDevice, Device
@@ -185,7 +185,8 @@ class RankRuntime:
     def decode(self, tokens: list[int], positions: list[int], seqs: list[int]) -> torch.Tensor:
         """One batched decode step: token i continues sequence slot seqs[i] at positions[i] -> fp32 logits [B, V]
         (every rank gets them gathered). Not recorded by --record-routing (its lines describe one sequence)."""
-        return self.model.decode_batch(tokens, positions, [self.states[i] for i in seqs], self.experts)
+        with rows.decoding():  # every row on the GEMV kernels: each sequence gets its solo bits
+            return self.model.decode_batch(tokens, positions, [self.states[i] for i in seqs], self.experts)
 
     def reset(self) -> None:
         self.state.reset()
