@@ -49,30 +49,6 @@ static inline void e4m3x32_scaled(const uint8_t *p, __m512 s, __m512 *lo, __m512
 #endif
 
 #ifdef __AVX512F__
-/* one row of W against nx <= 2 vectors; the block scale is folded into the decoded weights (exact: a power of
- * two), and two accumulators per vector keep the FMA chain from stalling */
-static inline void fp8_row(const uint8_t *row, const float *sr, int I, int B, const float *x0, const float *x1,
-                           int two, float *out0, float *out1) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    for (int j = 0, c = 0; c < I; j++) {
-        __m512 s = _mm512_set1_ps(sr[j]);
-        for (int end = c + B; c < end; c += 32) {
-            __m512 lo, hi;
-            e4m3x32_scaled(row + c, s, &lo, &hi);
-            a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x0 + c), a0);
-            a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x0 + c + 16), a1);
-            if (two) {
-                b0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x1 + c), b0);
-                b1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x1 + c + 16), b1);
-            }
-        }
-    }
-    *out0 = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-    if (two) *out1 = _mm512_reduce_add_ps(_mm512_add_ps(b0, b1));
-}
-#endif
-
-#ifdef __AVX512F__
 /* Decode (one vector x): R rows at once share each load of x and give the memory system R streams to fetch.
  * The R rows of a group lie in one row of scale blocks, so a column block's scale multiplies x once for all of them
  * (a power of two: every product is exact as before, only the order of the sums differs from per-block partial
@@ -113,26 +89,6 @@ static inline void e4m3x16(const uint8_t *p, __m256 *lo, __m256 *hi) {
     const __m256i f16 = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBFFF));
     *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(f16));
     *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(f16, 1));
-}
-
-/* fp8_row's two vectors, eight lanes at a time */
-static inline void fp8_row(const uint8_t *row, const float *sr, int I, int B, const float *x0, const float *x1,
-                           int two, float *out0, float *out1) {
-    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
-    for (int j = 0, c = 0; c < I; j++) {
-        const __m256 s = _mm256_set1_ps(sr[j]);
-        for (int end = c + B; c < end; c += 16) {
-            __m256 lo, hi;
-            e4m3x16(row + c, &lo, &hi);
-            lo = _mm256_mul_ps(lo, s);
-            hi = _mm256_mul_ps(hi, s);
-            a = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x0 + c + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x0 + c), a));
-            if (two)
-                b = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x1 + c + 8), _mm256_fmadd_ps(lo, _mm256_loadu_ps(x1 + c), b));
-        }
-    }
-    *out0 = hsum8(a);
-    if (two) *out1 = hsum8(b);
 }
 
 /* fp8_rows1 with one accumulator a row (16 registers): eight independent FMA chains keep the units busy and eight
@@ -208,8 +164,8 @@ static inline __attribute__((always_inline)) void fp8_tile(const uint8_t *row, c
     for (int k = 0; k < K; k++) _mm256_store_ps(ao + 8 * k, a[k]);
 }
 
-/* nx > 1 vectors (a batched decode step's rows): each weight row is decoded once for up to FP8_VECS vectors, where
- * fp8_row decoded it once per pair. Every output is fp8_rows1's chain (x times the block scale, then the same FMAs
+/* nx > 1 vectors (a batched decode step's rows): each weight row is decoded once for up to FP8_VECS vectors.
+ * Every output is fp8_rows1's chain (x times the block scale, then the same FMAs
  * in column order, then hsum8), so row k of a batch equals the one-vector call on x[k] bit for bit. Columns go in
  * tiles whose scaled vectors stay in L1 for a unit of rows; the rows' accumulators wait in memory between tiles
  * (stored and reloaded whole: the bits do not change). */
@@ -260,8 +216,84 @@ static void fp8_gemv_vecs(const uint8_t *w, const float *scale, int O, int I, in
 }
 #endif
 
-/* the most rows fp8_gemv beats the fused panel product at in this build (docs/performance.md): the AVX2 build
- * decodes a row once for up to 8 vectors, the others once per pair */
+#ifdef __AVX512F__
+#define FP8_VECS 8    /* vectors one decoded row serves at once: 16 accumulators, the row's halves, x */
+#define FP8_UNIT 32   /* rows a thread takes at a time (within one scale block where B is a multiple of 32) */
+#define FP8_XS 4096   /* floats of scaled vectors per column tile: 16 KB, which stays in L1 beside the rows */
+/* one row's tile of tl columns against K scaled vectors (xs, K x T), two accumulators a vector in ao (K x 32) */
+static inline __attribute__((always_inline)) void fp8_tile(const uint8_t *row, const uint8_t *next, int tl,
+                                                           const float *xs, int T, float *ao, const int K) {
+    __m512 a0[FP8_VECS], a1[FP8_VECS];
+    for (int k = 0; k < K; k++) a0[k] = _mm512_load_ps(ao + 32 * k), a1[k] = _mm512_load_ps(ao + 32 * k + 16);
+    for (int c = 0; c < tl; c += 32) {
+        if ((c & 63) == 0) _mm_prefetch((const char *)(next + c), _MM_HINT_T0);
+        __m512 lo, hi;
+        e4m3x32(row + c, &lo, &hi);
+        for (int k = 0; k < K; k++) {
+            a0[k] = _mm512_fmadd_ps(lo, _mm512_load_ps(xs + k * T + c), a0[k]);
+            a1[k] = _mm512_fmadd_ps(hi, _mm512_load_ps(xs + k * T + c + 16), a1[k]);
+        }
+    }
+    for (int k = 0; k < K; k++) _mm512_store_ps(ao + 32 * k, a0[k]), _mm512_store_ps(ao + 32 * k + 16, a1[k]);
+}
+
+/* nx > 1 vectors on AVX-512, as the AVX2 loop below: each weight row decoded once for up to FP8_VECS vectors
+ * (decoded once per pair, 2 rows cost 2.3x one and 8 rows 5.3x; now 1.4x and 2.8x). Every output is fp8_rows1's chain (x
+ * times the block scale, the same two FMA chains in column order, then their sum reduced), so row k of a batch
+ * equals the one-vector call on x[k] bit for bit. The caller holds B a multiple of 32, so a unit of 32 rows lies in
+ * one row of scale blocks. */
+static void fp8_gemv_vecs(const uint8_t *w, const float *scale, int O, int I, int B, const float *x, int nx, float *y,
+                          int r0, int r1) {
+    const int nbc = I / B, u0 = r0 / FP8_UNIT, u1 = (r1 + FP8_UNIT - 1) / FP8_UNIT;
+    (void)O;
+#pragma omp parallel if ((size_t)(r1 - r0) * I * nx > PARALLEL_ELEMENTS)
+    {
+        float xs[FP8_XS] __attribute__((aligned(64))); /* on each thread's stack: nothing to allocate or free */
+        float am[32 * FP8_VECS * FP8_UNIT] __attribute__((aligned(64)));
+        for (int k0 = 0; k0 < nx; k0 += FP8_VECS) {
+            const int K = nx - k0 < FP8_VECS ? nx - k0 : FP8_VECS;
+            const int T = (FP8_XS / K) & ~31;
+#pragma omp for schedule(static)
+            for (int u = u0; u < u1; u++) {
+                const int o0 = u * FP8_UNIT > r0 ? u * FP8_UNIT : r0;
+                const int o1 = (u + 1) * FP8_UNIT < r1 ? (u + 1) * FP8_UNIT : r1;
+                const float *sr = scale + (size_t)(o0 / B) * nbc;
+                memset(am, 0, sizeof(float) * 32 * K * (size_t)(o1 - o0));
+                for (int t = 0; t < I; t += T) {
+                    const int tl = I - t < T ? I - t : T;
+                    for (int k = 0; k < K; k++)
+                        for (int c = 0; c < tl; c += 16)
+                            _mm512_store_ps(xs + k * T + c, _mm512_mul_ps(_mm512_loadu_ps(x + (size_t)(k0 + k) * I + t + c),
+                                                                          _mm512_set1_ps(sr[(t + c) / B])));
+                    for (int o = o0; o < o1; o++) {
+                        const uint8_t *row = w + (size_t)o * I + t, *next = row + (o + 4 < o1 ? 4 * I : 0);
+                        float *ao = am + (size_t)(o - o0) * 32 * K;
+                        switch (K) { /* constant K: the accumulators stay in registers */
+                        case 1: fp8_tile(row, next, tl, xs, T, ao, 1); break;
+                        case 2: fp8_tile(row, next, tl, xs, T, ao, 2); break;
+                        case 3: fp8_tile(row, next, tl, xs, T, ao, 3); break;
+                        case 4: fp8_tile(row, next, tl, xs, T, ao, 4); break;
+                        case 5: fp8_tile(row, next, tl, xs, T, ao, 5); break;
+                        case 6: fp8_tile(row, next, tl, xs, T, ao, 6); break;
+                        case 7: fp8_tile(row, next, tl, xs, T, ao, 7); break;
+                        default: fp8_tile(row, next, tl, xs, T, ao, 8); break;
+                        }
+                    }
+                }
+                for (int o = o0; o < o1; o++)
+                    for (int k = 0; k < K; k++) {
+                        const float *ao = am + (size_t)(o - o0) * 32 * K + 32 * k;
+                        y[(size_t)(k0 + k) * O + o] =
+                            _mm512_reduce_add_ps(_mm512_add_ps(_mm512_load_ps(ao), _mm512_load_ps(ao + 16)));
+                    }
+            }
+        }
+    }
+}
+#endif
+
+/* the most rows fp8_gemv beats the fused panel product at in this build (docs/performance.md): both vector builds
+ * decode a row once for up to 8 vectors, and AVX-512's panels (twice AVX2's lanes) draw level from ~12 rows */
 int fp8_gemv_max_rows(void) {
 #ifdef DSF_AVX2
     return 24;
@@ -275,14 +307,11 @@ void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const f
               int r1) {
     const int nbc = (I + B - 1) / B;
 #ifdef FP8_VECTOR
-    if (nx == 1 && B % FP8_LANES == 0 && I % B == 0) {
-        fp8_gemv1(w, scale, O, I, B, x, y, r0, r1);
-        return;
-    }
-#endif
-#ifdef DSF_AVX2
     if (B % FP8_LANES == 0 && I % B == 0) {
-        fp8_gemv_vecs(w, scale, O, I, B, x, nx, y, r0, r1);
+        if (nx == 1)
+            fp8_gemv1(w, scale, O, I, B, x, y, r0, r1);
+        else
+            fp8_gemv_vecs(w, scale, O, I, B, x, nx, y, r0, r1);
         return;
     }
 #endif
@@ -294,17 +323,10 @@ void fp8_gemv(const uint8_t *w, const float *scale, int O, int I, int B, const f
             int two = nx - k0 > 1;
             const float *x0 = x + (size_t)k0 * I, *x1 = x0 + (two ? I : 0);
             float acc0 = 0, acc1 = 0;
-#ifdef FP8_VECTOR
-            if (B % FP8_LANES == 0 && I % B == 0) {
-                fp8_row(row, sr, I, B, x0, x1, two, &acc0, &acc1);
-            } else
-#endif
-            {
-                for (int c = 0; c < I; c++) {
-                    float v = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
-                    acc0 += v * x0[c];
-                    acc1 += v * x1[c];
-                }
+            for (int c = 0; c < I; c++) {
+                float v = e4m3_scalar(row[c]) * sr[c / B] / 256.0f;
+                acc0 += v * x0[c];
+                acc1 += v * x1[c];
             }
             y[(size_t)k0 * O + o] = acc0;
             if (two) y[(size_t)(k0 + 1) * O + o] = acc1;
