@@ -197,3 +197,36 @@ def test_a_captured_decode_step_needs_a_tokens_experts_in_slots_together(data_di
     k = max(s.n_active for s in cfg.layers() if not s.is_dspark)
     assert k == 3 and graph_slots_short(k - 1, cfg) == k and graph_slots_short(1, cfg) == k
     assert graph_slots_short(k, cfg) == 0 and graph_slots_short(100, cfg) == 0
+
+
+def test_a_batched_steps_tokens_get_their_solo_bits_whatever_was_resident(data_dir, tmp_path):
+    """Three experts a token (tiny_b): each token of a batched decode step through CachedExperts equals the same token
+    alone bit for bit. A token's experts are summed in expert id order whatever the slots held: the solo calls run
+    on four slots (some of a token's experts missing each time, so resident-first order would differ), the batch
+    on enough for all."""
+    from dsflash.runtime.cpu import rows
+
+    ckpt = Checkpoint.open(data_dir / "dsv41_tiny" / "tiny_b" / "model")
+    cfg = ckpt.config
+    spec = next(s for s in cfg.layers() if s.n_experts)
+    build_store(ckpt, tmp_path, tp=1, fmt="bfp8_b", progress=False, rebuild=True)
+    store = open_store(ckpt, tmp_path, tp=1, fmt="bfp8_b")
+    few = CachedExperts(store, CpuDevice(), 4, 0, cfg.swiglu_limit)
+    many = CachedExperts(store, CpuDevice(), spec.n_experts, 0, cfg.swiglu_limit)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        k = cfg.num_experts_per_tok
+        x = torch.randn(6, cfg.hidden_size, generator=gen)
+        ids = torch.stack([torch.randperm(spec.n_experts, generator=gen)[:k] for _ in range(6)])
+        w = torch.rand(6, k, generator=gen)
+        with rows.decoding():
+            batch = many(spec.layer_id, x, ids, w)
+        for t in range(6):
+            alone = few(spec.layer_id, x[t : t + 1], ids[t : t + 1], w[t : t + 1])
+            assert torch.equal(batch[t], alone[0]), t
+        assert few.pool.misses > 6  # the solo calls did run with a changing resident set
+    finally:
+        few.close()
+        many.close()
+        store.close()
+        ckpt.close()

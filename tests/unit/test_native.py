@@ -182,6 +182,47 @@ def test_decode_experts_in_one_call_are_their_sum(kernels, fmt):
         dev.close()
 
 
+@pytest.mark.parametrize("fmt", ["bfp4_b", "bfp8_b"])
+def test_a_batched_steps_experts_give_each_token_its_own_calls_bits(kernels, fmt):
+    """Several decode tokens, each through its own routed experts (CpuDevice.routed: one native call, each expert
+    read once for all its tokens), equal each token alone in its one-token call with its experts in route order,
+    bit for bit: tokens sharing an expert one to sixteen at a time (the several-vector loops), tokens alone on an
+    expert (the paired rows), on several threads. Outside a decode step more tokens than the GEMVs take are
+    refused (prefill goes expert by expert, as matrices)."""
+    from dsflash.runtime.cpu import rows
+    from dsflash.runtime.experts.device import CpuDevice, PackedMatrix, ShardLayout
+
+    rng = np.random.default_rng(2)
+    for d, inter, n, k, t in ((64, 32, 4, 2, 3), (256, 96, 9, 6, 8), (256, 96, 20, 3, 16)):
+        shapes = ((inter, d), (inter, d), (d, inter))
+        packed = [
+            [bfp.pack((rng.standard_normal(sh) * 0.2).astype(np.float32), fmt) for sh in shapes] for _ in range(n)
+        ]
+        sizes = [p.nbytes for p in packed[0]]
+        o1, o3, o2, end = np.cumsum([0, *sizes]).tolist()
+        layout = ShardLayout(fmt, PackedMatrix(o1, sizes[0], inter, d), PackedMatrix(o3, sizes[1], inter, d),
+                             PackedMatrix(o2, sizes[2], d, inter), end)  # fmt: skip
+        dev = CpuDevice()
+        slots = dev.allocate(n + 2, end)
+        ids = rng.permutation(n + 2)[:n].tolist()
+        for e, slot in enumerate(ids):
+            slots[slot, :end] = np.concatenate(packed[e])
+        x, w = torch.randn(t, d) * 3, torch.rand(t, k)
+        route = torch.tensor(np.stack([rng.permutation(n)[:k] for _ in range(t)]), dtype=torch.int32)
+        route[-1] = route[0]  # two tokens with the same experts
+        with rows.decoding():
+            got = dev.routed(slots, ids, layout, x, route, w, 1.0)
+        if kernels == "none":
+            assert got is None
+            continue
+        for i in range(t):
+            alone = dev.experts(slots, [ids[j] for j in route[i].tolist()], layout, x[i : i + 1], w[i : i + 1], 1.0)
+            assert torch.equal(got[i : i + 1], alone), (d, i)
+        assert dev.routed(slots, ids, layout, torch.randn(17, d), route[:1].repeat(17, 1), w[:1].repeat(17, 1),
+                          1.0) is None  # fmt: skip
+        dev.close()
+
+
 def test_grouped_fp8_decode_is_each_group_alone(kernels):
     """The block-diagonal decode (wo_a's groups in one call) gives each group the bits of its own GEMV, for groups
     whose rows straddle the kernel's 8-row units and the scale blocks; more rows fall back to group by group."""

@@ -80,6 +80,7 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.swiglu_rows.argtypes = [p, p, p, ctypes.c_int64, i, ctypes.c_float, p]
     i64 = ctypes.c_int64
     lib.bfp_moe_decode.argtypes = [p, i, i, i64, i64, i64, i, i, i, p, p, ctypes.c_float, p, p]
+    lib.bfp_moe_decode_batch.argtypes = [p, i, i, i64, i64, i64, i, i, i, p, i, i, p, p, ctypes.c_float, p, p]
     lib.fp8_gemv.argtypes = [p, p, i, i, i, p, i, p, i, i]
     lib.fp8_gemv_grouped.argtypes = [p, p, i, i, i, p, i, p]
     lib.fp8_ffn_decode.argtypes, lib.fp8_ffn_decode.restype = [p, p, p, p, p, p, i, i, i, p, ctypes.c_float, p, p], i
@@ -170,6 +171,41 @@ def moe_decode(
     y = torch.empty(1, w2.rows, dtype=torch.float32)
     k.bfp_moe_decode(ptrs, n, MBITS[layout.fmt], w1.offset, w3.offset, w2.offset, tr13, tc13, w2.rows // 32,
                      xs.data_ptr(), wts.data_ptr(), limit, work.data_ptr(), y.data_ptr())  # fmt: skip
+    return y
+
+
+def moe_decode_batch(
+    slots: np.ndarray,
+    ids: list[int],
+    layout,
+    x: torch.Tensor,
+    route: torch.Tensor,
+    weights: torch.Tensor,
+    limit: float,
+) -> torch.Tensor | None:
+    """A few tokens, each through its own routed experts, as one native call (bfp_moe_decode_batch): x [t, cols]
+    fp32, route [t, k] (indices into ids, the slots of the experts any of them uses), weights [t, k] -> fp32
+    [t, w2 rows], token i's row the sum over j in order of expert(ids[route[i, j]]) * weights[i, j], with the bits
+    moe_decode gives token i alone with those experts in that order. None without kernels."""
+    k = lib()
+    if k is None or not ids:
+        return None
+    w1, w3, w2 = layout.w1, layout.w3, layout.w2
+    xs = x.float()
+    if xs.shape[1] != w1.cols:  # the tiles cover whole 32-column blocks
+        xs = torch.nn.functional.pad(xs, (0, w1.cols - xs.shape[1]))
+    xs = xs.contiguous()
+    r = route.to(torch.int32).contiguous()
+    wts = weights.float().contiguous()
+    t, kk = r.shape
+    tr13, tc13 = w1.rows // 32, w1.cols // 32
+    base, stride = slots.ctypes.data, slots.strides[0]
+    ptrs = (ctypes.c_void_p * len(ids))(*(base + s * stride for s in ids))
+    work = scratch(((t * tc13 + t * kk * tr13) * 128,), torch.float32)
+    y = torch.empty(t, w2.rows, dtype=torch.float32)
+    k.bfp_moe_decode_batch(ptrs, len(ids), MBITS[layout.fmt], w1.offset, w3.offset, w2.offset, tr13, tc13,
+                           w2.rows // 32, xs.data_ptr(), t, kk, r.data_ptr(), wts.data_ptr(), limit,
+                           work.data_ptr(), y.data_ptr())  # fmt: skip
     return y
 
 

@@ -113,6 +113,10 @@ class CudaDevice:
     ) -> torch.Tensor:
         return expert_sum(self, slots, ids, layout, x, w, limit)
 
+    def routed(self, slots, ids, layout, x, route, w, limit) -> None:
+        """No fused call for several tokens' own experts here: expert by expert (CachedExperts)."""
+        return None
+
     def expert(
         self, slots: torch.Tensor, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float
     ) -> torch.Tensor:

@@ -12,6 +12,7 @@ import time
 import torch
 
 from dsflash.counters import ExpertCounters
+from dsflash.runtime.cpu import rows
 from dsflash.runtime.experts.device import Device, PackedMatrix, ShardLayout
 from dsflash.runtime.experts.slots import SlotPool
 
@@ -42,14 +43,13 @@ class CachedExperts:
             self.routing_log.moe(layer, ids)
         x = x.float()
         routed = ids.cpu()  # slot bookkeeping runs on the host whatever the device
-        cols = routed[0].tolist() if routed.shape[0] == 1 else None
-        experts = list(cols) if cols is not None else torch.unique(routed).tolist()
+        experts = routed[0].tolist() if routed.shape[0] == 1 else torch.unique(routed).tolist()
         self._resident_first(layer, experts)
-        if cols is not None and len(experts) <= self.pool.n_slots:  # decode: the layer's experts in one call
+        few = routed.shape[0] < SCAN_TOKENS or rows.is_decoding()
+        if few and len(experts) <= self.pool.n_slots:  # decode, a batched step, a verify: all pinned at once
             slots = self._acquire(layer, experts)
             try:
-                w = weights[:, [cols.index(e) for e in experts]]
-                return self.device.experts(self.slots, slots, self.layout, x, w, self.limit)
+                return self._together(experts, slots, routed, x, weights)
             finally:
                 self.release(layer, experts)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -63,6 +63,37 @@ class CachedExperts:
                     y[tok] += self.device.expert(self.slots, slot, self.layout, x[tok], w, self.limit)
             finally:  # a cancelled or failed step leaves no expert pinned
                 self.release(layer, wave)
+        return y
+
+    def _together(
+        self, experts: list[int], slots: list[int], routed: torch.Tensor, x: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert of the call resident in `slots` (experts' order). Each token's sum runs over its experts in
+        expert id order, whatever was resident when: a token's bits do not depend on the slots' history or on the
+        tokens beside it (a batched decode step's sequence gets its solo bits)."""
+        slot_of = dict(zip(experts, slots, strict=True))
+        if routed.shape[0] == 1:  # one token: the layer's experts in one call
+            cols = routed[0].tolist()
+            order = sorted(cols)
+            w = weights[:, [cols.index(e) for e in order]]
+            return self.device.experts(self.slots, [slot_of[e] for e in order], self.layout, x, w, self.limit)
+        by_id, perm = routed.sort(dim=1)
+        w = weights.gather(1, perm.to(weights.device))
+        index = {e: i for i, e in enumerate(experts)}
+        route = torch.tensor([[index[e] for e in row] for row in by_id.tolist()], dtype=torch.int32)
+        y = self.device.routed(self.slots, slots, self.layout, x, route, w, self.limit)
+        if y is not None:
+            return y
+        # expert by expert (each once for all its tokens), then each token's terms added in its id order
+        terms = torch.empty((*by_id.shape, x.shape[1]), dtype=torch.float32, device=x.device)
+        for e in experts:
+            tok, j = (by_id == e).nonzero(as_tuple=True)
+            tok_d, j_d = tok.to(x.device), j.to(x.device)
+            terms[tok_d, j_d] = self.device.expert(self.slots, slot_of[e], self.layout, x[tok_d], w[tok_d, j_d, None],
+                                                   self.limit)  # fmt: skip
+        y = terms[:, 0].clone()
+        for j in range(1, terms.shape[1]):
+            y += terms[:, j]
         return y
 
     def _resident_first(self, layer: int, experts: list[int]) -> None:

@@ -83,6 +83,22 @@ class Device(Protocol):
         in column i -> fp32 [t, d], the experts added in the order given (expert_sum, or one fused call)."""
         ...
 
+    def routed(
+        self,
+        slots,
+        ids: list[int],
+        layout: ShardLayout,
+        x: torch.Tensor,
+        route: torch.Tensor,
+        w: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor | None:
+        """A few tokens, each through its own resident experts in one call: route [t, k] indexes ids, w [t, k] ->
+        fp32 [t, d], token i the sum over j in order of expert(ids[route[i, j]]) * w[i, j] with the bits experts()
+        gives it alone; None where the device has no such call for these tokens (the caller goes expert by
+        expert)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -219,6 +235,24 @@ class CpuDevice:
             if y is not None:
                 return y[:, : x.shape[1]]
         return expert_sum(self, slots, ids, layout, x, w, limit)
+
+    def routed(
+        self,
+        slots: np.ndarray,
+        ids: list[int],
+        layout: ShardLayout,
+        x: torch.Tensor,
+        route: torch.Tensor,
+        w: torch.Tensor,
+        limit: float,
+    ) -> torch.Tensor | None:
+        """Tokens whose products run as GEMVs (a batched decode step's, whatever their count; a verify's few
+        positions) in one native call (native.moe_decode_batch), each expert read once for all its tokens; None
+        for more (prefill: expert by expert, as matrices) or without kernels."""
+        if not rows.is_decoding() and x.shape[0] > gemv_rows(self.matmul_dtype):
+            return None
+        y = native.moe_decode_batch(slots, ids, layout, x, route, w, limit)
+        return None if y is None else y[:, : x.shape[1]]
 
     def expert(
         self, slots: np.ndarray, slot: int, layout: ShardLayout, x: torch.Tensor, w: torch.Tensor, limit: float

@@ -612,6 +612,170 @@ void bfp_moe_decode(const uint8_t *const *slots, int n, int m, int64_t off1, int
     }
 }
 
+/* One tile row t (tc tiles) against K vectors xs (each in the form row_pair reads) -> 32 outputs at ys[k], a vector's
+ * every output with the operations and order of the one-vector loop (bfp_gemv's nx = 1), so a token routed to an
+ * expert beside others gets the bits it gets alone; a bfp4_b row is decoded once for up to four vectors. next: the
+ * row read after this one (prefetched where the build prefetches). */
+#ifdef __AVX512F__
+static void row_vecs(int m, const float *sc, int tc, const uint8_t *t, const uint8_t *next, const float *const *xs,
+                     float *const *ys, int K) {
+    if (m != 3) { /* bfp8_b: the row again from L1/L2 for each further vector */
+        for (int k = 0; k < K; k++) row32_avx512(t, tc, m, sc, xs[k], 0, k + 1 < K ? t : next, ys[k]);
+        return;
+    }
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int kn = K - k0 < 4 ? K - k0 : 4;
+        const uint8_t *nx = k0 + 4 < K ? t : next;
+        if (kn == 4)
+            rows_bfp4_vecs(t, nx, tc, xs + k0, ys + k0, 4);
+        else if (kn == 3)
+            rows_bfp4_vecs(t, nx, tc, xs + k0, ys + k0, 3);
+        else if (kn == 2)
+            rows_bfp4_vecs(t, nx, tc, xs + k0, ys + k0, 2);
+        else
+            rows_bfp4_vecs(t, nx, tc, xs + k0, ys + k0, 1);
+    }
+}
+#elif defined(DSF_AVX2)
+/* row32_avx2 / row32x2_avx2 / row32xk_avx2's row grouping (8, 4, 2 rows a pass for 1, 2, 3-4 vectors) on a row */
+static inline __attribute__((always_inline)) void row32v_avx2(const uint8_t *row, int tc, int m, const float *sc,
+                                                               const float *const *xs, float *const *ys,
+                                                               const int K) {
+    const int R = K == 1 ? 8 : (K == 2 ? 4 : 2), half = 16 / R;
+    for (int q = 0; q < 2 * half; q++) {
+        float *yq[4];
+        for (int k = 0; k < K; k++) yq[k] = ys[k] + R * q;
+        rows_avx2(row, tc, m, sc, xs, K, q / half, R * (q % half), R, yq);
+    }
+}
+static void row_vecs(int m, const float *sc, int tc, const uint8_t *t, const uint8_t *next, const float *const *xs,
+                     float *const *ys, int K) {
+    (void)next;
+    for (int k0 = 0; k0 < K; k0 += 4) {
+        const int kn = K - k0 < 4 ? K - k0 : 4;
+        if (kn == 4)
+            row32v_avx2(t, tc, m, sc, xs + k0, ys + k0, 4);
+        else if (kn == 3)
+            row32v_avx2(t, tc, m, sc, xs + k0, ys + k0, 3);
+        else if (kn == 2)
+            row32v_avx2(t, tc, m, sc, xs + k0, ys + k0, 2);
+        else
+            row32v_avx2(t, tc, m, sc, xs + k0, ys + k0, 1);
+    }
+}
+#else
+static void row_vecs(int m, const float *sc, int tc, const uint8_t *t, const uint8_t *next, const float *const *xs,
+                     float *const *ys, int K) {
+    (void)next;
+    for (int k = 0; k < K; k++) row32_generic(t, tc, m, sc, xs[k], 0, ys[k]);
+}
+#endif
+
+/* B decode tokens (a batched decode step's, or a verify's few positions), token b through its own k routed experts:
+ *   y[b] = sum over j = 0..k-1, in that order, of W2_{route[b, j]} (wts[b, j] * swiglu(W1 x_b, W3 x_b))
+ * with the experts in nu slots of one layout (slots[u]; route indexes them). Each expert's tile rows are read once
+ * for all the tokens routed to it, in one parallel region for the layer, and every product, activation and sum of a
+ * token is bfp_moe_decode's for that token alone with its experts in route order: a token's result has the bits of
+ * its own call whatever tokens run beside it. x: [B, 32 tc13]; y: [B, 32 tr2]; work: (B tc13 + B k tr13) * 128
+ * floats of scratch. */
+void bfp_moe_decode_batch(const uint8_t *const *slots, int nu, int m, int64_t off1, int64_t off3, int64_t off2,
+                          int tr13, int tc13, int tr2, const float *x, int B, int k, const int *route,
+                          const float *wts, float limit, float *work, float *y) {
+    const int q4 = Q4_FORM(m), P = B * k;
+    const size_t xlen = (size_t)tc13 * (q4 ? 128 : 32), hlen = (size_t)tr13 * (q4 ? 128 : 32);
+    float *xv = work, *h = work + (size_t)B * xlen;
+    float sc[256];
+    scales(m, sc);
+    for (int b = 0; b < B; b++)
+        for (int tj = 0; tj < tc13; tj++) put32(x + ((size_t)b * tc13 + tj) * 32, q4, tj, xv + b * xlen);
+    /* the (token, column) pairs p = b k + j of each expert, in token order: pairs[start[u] .. start[u + 1]) */
+    int start[nu + 1], pairs[P > 0 ? P : 1], fill[nu > 0 ? nu : 1];
+    memset(start, 0, sizeof start);
+    for (int p = 0; p < P; p++) start[route[p] + 1]++;
+    for (int u = 0; u < nu; u++) start[u + 1] += start[u], fill[u] = start[u];
+    for (int p = 0; p < P; p++) pairs[fill[route[p]]++] = p;
+    const size_t tiles = (size_t)nu * tr13 * (2 * tc13 + tr2);
+    const size_t rb13 = (size_t)tc13 * tile_bytes(m), rb2 = (size_t)tr13 * tile_bytes(m);
+#pragma omp parallel if (tiles > PARALLEL_TILES)
+    {
+#pragma omp for schedule(static)
+        for (int it = 0; it < nu * tr13; it++) {
+            const int u = it / tr13, ti = it % tr13;
+            const uint8_t *w1 = slots[u] + off1 + ti * rb13, *w3 = slots[u] + off3 + ti * rb13;
+            const int u1 = (it + 1) / tr13, ti1 = (it + 1) % tr13;
+            const uint8_t *n1 = u1 < nu ? slots[u1] + off1 + ti1 * rb13 : NULL;
+            const uint8_t *n3 = u1 < nu ? slots[u1] + off3 + ti1 * rb13 : NULL;
+            for (int i0 = start[u]; i0 < start[u + 1]; i0 += 4) {
+                const int kn = start[u + 1] - i0 < 4 ? start[u + 1] - i0 : 4;
+                float g[4][32], up[4][32], v[32];
+                const float *xs[4];
+                float *gs[4], *us[4];
+                for (int i = 0; i < kn; i++) xs[i] = xv + (pairs[i0 + i] / k) * xlen, gs[i] = g[i], us[i] = up[i];
+                if (kn == 1) { /* one token: w1 and w3 rows as two streams, as bfp_moe_decode runs them */
+                    row_pair(m, sc, tc13, w1, xs[0], n1, g[0], w3, xs[0], n3, up[0]);
+                } else {
+                    const int more = i0 + 4 < start[u + 1];
+                    row_vecs(m, sc, tc13, w1, w3, xs, gs, kn);
+                    row_vecs(m, sc, tc13, w3, more ? w1 : n1, xs, us, kn);
+                }
+                for (int i = 0; i < kn; i++) {
+                    const int p = pairs[i0 + i];
+                    for (int r = 0; r < 32; r++) { /* bfp_moe_decode's activation */
+                        float gr = g[i][r], ur = up[i][r];
+                        if (limit > 0) {
+                            ur = ur < -limit ? -limit : (ur > limit ? limit : ur);
+                            gr = gr > limit ? limit : gr;
+                        }
+                        v[r] = gr / (1.0f + expf(-gr)) * ur * wts[p];
+                    }
+                    put32(v, q4, ti, h + p * hlen);
+                }
+            }
+        }
+        /* the barrier: every pair's activation is complete before any w2 row reads it */
+#pragma omp for schedule(static)
+        for (int ti = 0; ti < tr2; ti++) {
+            float o[P > 0 ? P : 1][32];
+            int lone = -1; /* an expert's single token waiting for a second one to share two streams with */
+            for (int u = 0; u < nu; u++) {
+                const uint8_t *w2 = slots[u] + off2 + ti * rb2;
+                const uint8_t *nx = u + 1 < nu ? slots[u + 1] + off2 + ti * rb2 : slots[0] + off2 + (ti + 1) * rb2;
+                if (start[u + 1] - start[u] == 1) {
+                    const int p = pairs[start[u]];
+                    if (lone < 0) {
+                        lone = u;
+                        continue;
+                    }
+                    const int q = pairs[start[lone]];
+                    row_pair(m, sc, tr13, slots[lone] + off2 + ti * rb2, h + q * hlen, w2, o[q], w2, h + p * hlen, nx,
+                             o[p]);
+                    lone = -1;
+                    continue;
+                }
+                for (int i0 = start[u]; i0 < start[u + 1]; i0 += 4) {
+                    const int kn = start[u + 1] - i0 < 4 ? start[u + 1] - i0 : 4;
+                    const float *hs[4];
+                    float *os[4];
+                    for (int i = 0; i < kn; i++) hs[i] = h + pairs[i0 + i] * hlen, os[i] = o[pairs[i0 + i]];
+                    row_vecs(m, sc, tr13, w2, i0 + 4 < start[u + 1] ? w2 : nx, hs, os, kn);
+                }
+            }
+            if (lone >= 0) {
+                const int q = pairs[start[lone]];
+                row_pair(m, sc, tr13, slots[lone] + off2 + ti * rb2, h + q * hlen, slots[0] + off2 + (ti + 1) * rb2,
+                         o[q], NULL, NULL, NULL, NULL);
+            }
+            for (int b = 0; b < B; b++) { /* bfp_moe_decode's sum: ((o0 + o1) + o2) + ... */
+                float acc[32];
+                memcpy(acc, o[b * k], sizeof acc);
+                for (int j = 1; j < k; j++)
+                    for (int r = 0; r < 32; r++) acc[r] += o[b * k + j][r];
+                memcpy(y + (size_t)b * tr2 * 32 + (size_t)ti * 32, acc, sizeof acc);
+            }
+        }
+    }
+}
+
 /* h[i, c] = swiglu(g[i, c], u[i, c]) * w[i] for rows i < n of `cols` values, with bfp_moe_decode's operations in
  * its order (silu as g / (1 + expf(-g)), libm's expf): an expert product outside the one-call decode (a batched
  * step's, a prefill's) then carries the bits of the same token's product inside it. */
