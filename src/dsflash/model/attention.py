@@ -139,6 +139,11 @@ def ring_write(ring: torch.Tensor, kv: torch.Tensor, start_pos: int) -> None:
     ring[: kv.shape[0], slots] = kv[:, s - keep :].to(ring.dtype)
 
 
+def _token(proj, i: int):
+    """Token i's rows of a batched step's projections (a tuple of [1, B, ...] tensors or None), or None."""
+    return None if proj is None else tuple(None if t is None else t[:, i : i + 1] for t in proj)
+
+
 class Attention(nn.Module):
     """Low-rank Q, one shared K=V head, grouped low-rank output; compressed KV on ratio > 0 layers."""
 
@@ -190,11 +195,17 @@ class Attention(nn.Module):
         cis = self.rope.cis(batch.positions)
         q, qr = self.queries(x, cis)
         kv_all = self.window_kv(x, cis, batch.steps[0].qat)
+        # the compressor's and the indexer's projections of all B tokens in one product each; their pooling,
+        # scoring and selection then run per sequence over its own state
+        spec = self.spec
+        comp = self.compressor.project(x) if spec.ratio and spec.is_kv_source else None
+        index = self.indexer.project(x, qr) if spec.ratio and spec.is_index_source else None
         outs = []
         for i, step in enumerate(batch.steps):
             kv, idx = self.window_rows(kv_all[:, i : i + 1], step)
             if self.spec.ratio:
-                ckv, cidx = self.compressed_rows(x[:, i : i + 1], qr[:, i : i + 1], step, offset=kv.shape[1])
+                ckv, cidx = self.compressed_rows(x[:, i : i + 1], qr[:, i : i + 1], step, offset=kv.shape[1],
+                                                 proj=(_token(comp, i), _token(index, i)))  # fmt: skip
                 kv, idx = torch.cat([kv, ckv], dim=1), torch.cat([idx, cidx], dim=-1)
             outs.append(sparse_attention(q[:, i : i + 1], kv, self.attn_sink, idx, self.scale))
         return self.output(self.rope.rotate(torch.cat(outs, dim=1), cis, inverse=True))
@@ -220,16 +231,17 @@ class Attention(nn.Module):
         idx = window_indices(step.start_pos, step.length, n_prev, self.window, kv.device)
         return rows, idx.unsqueeze(0).expand(kv.shape[0], -1, -1)
 
-    def compressed_rows(self, x, qr, step: Step, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The shared compressed KV visible to this chunk, and each query's selected entries (+offset)."""
+    def compressed_rows(self, x, qr, step: Step, offset: int, proj=(None, None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared compressed KV visible to this chunk, and each query's selected entries (+offset). proj: the
+        compressor's and the indexer's projections of x where the caller computed them (else None)."""
         spec, layers = self.spec, step.state.layers
         r, b = spec.ratio, x.shape[0]
         latent = None
         if spec.is_kv_source:
             st, c = layers[spec.layer_id], self.compressor
-            latent = c.static(x, step.positions, st) if step.static else c(x, step.start_pos, st)
+            latent = c.static(x, step.positions, st) if step.static else c(x, step.start_pos, st, proj[0])
         if spec.is_index_source:
-            idx = self.select(x, qr, latent, step, offset)
+            idx = self.select(x, qr, latent, step, offset, proj[1])
             step.topk[spec.layer_id] = idx
         else:
             idx = step.topk[spec.topk_source]
@@ -239,7 +251,7 @@ class Attention(nn.Module):
         n_visible = None if step.static else step.end // r
         return layers[spec.kv_source].compressed[:b, :n_visible], idx
 
-    def select(self, x, qr, latent, step: Step, offset: int) -> torch.Tensor:
+    def select(self, x, qr, latent, step: Step, offset: int, proj=None) -> torch.Tensor:
         spec, ix = self.spec, self.indexer
         if not step.static and step.end // spec.ratio == 0:
             return torch.empty(x.shape[0], step.length, 0, dtype=torch.long, device=x.device)
@@ -247,7 +259,7 @@ class Attention(nn.Module):
             ix.write_keys(latent, _group(step, spec.ratio), self.rope, step.state.layers[spec.layer_id], step.qat)
         n_keys = None if step.static else step.end // spec.ratio
         keys = step.state.layers[spec.kv_source].index_keys[: x.shape[0], :n_keys]
-        s, visible = ix.scores(x, qr, keys, step.positions, self.rope, step.qat)
+        s, visible = ix.scores(x, qr, keys, step.positions, self.rope, step.qat, proj)
         if spec.is_candidate_source:
             step.candidates = ix.candidates(s, visible)
             if step.trace is not None:

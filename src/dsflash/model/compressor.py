@@ -31,12 +31,20 @@ class Compressor(nn.Module):
             self.wgate = Linear(cfg.hidden_size, cfg.head_dim)
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, start_pos: int, st: LayerState) -> torch.Tensor | None:
-        """x [b, s, d] -> latents [b, n, hd] of the groups completed by this chunk, or None."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The chunk's projections that forward() pools: (kv, gate scores; None at ratio 1). A batched decode step
+        computes them for all its tokens in one product and hands each sequence its row."""
+        if self.ratio == 1:
+            return self.wkv(x), None
+        return self.wkv(x.float()), self.wgate(x.float())
+
+    def forward(self, x: torch.Tensor, start_pos: int, st: LayerState, proj=None) -> torch.Tensor | None:
+        """x [b, s, d] -> latents [b, n, hd] of the groups completed by this chunk, or None. proj: project(x)
+        where the caller computed it already."""
         r = self.ratio
+        kv, score = self.project(x) if proj is None else proj
         if r == 1:  # every token is its own group: no gate, no pooling
-            return self.norm(self.wkv(x))
-        kv, score = self.wkv(x.float()), self.wgate(x.float())
+            return self.norm(kv)
         done = start_pos % r  # tokens of the open group already seen
         kv = torch.cat([st.pending_kv[: x.shape[0], :done], kv], dim=1)
         score = torch.cat([st.pending_score[: x.shape[0], :done], score], dim=1)
@@ -104,13 +112,18 @@ class Indexer(nn.Module):
             k = fp4.qdq(k, 32)
         st.index_keys[: k.shape[0]].index_copy_(1, groups, k.to(st.index_keys.dtype))
 
-    def scores(self, x, qr, keys, positions, rope: Rope, qat: bool) -> torch.Tensor:
-        """I[b, s, t] = sum_h w_h relu(q_h . k_t); entries a query cannot see yet are -inf."""
-        q = self.wq_b(qr).unflatten(-1, (self.n_local, self.head_dim))
-        q = rope.rotate(q, rope.cis(positions))
+    def project(self, x: torch.Tensor, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query side's projections that scores() reads (a batched step's in one product for all tokens)."""
+        return self.wq_b(qr), self.weights_proj(x)
+
+    def scores(self, x, qr, keys, positions, rope: Rope, qat: bool, proj=None) -> torch.Tensor:
+        """I[b, s, t] = sum_h w_h relu(q_h . k_t); entries a query cannot see yet are -inf. proj: project(x, qr)
+        where the caller computed it already."""
+        q, w = self.project(x, qr) if proj is None else proj
+        q = rope.rotate(q.unflatten(-1, (self.n_local, self.head_dim)), rope.cis(positions))
         if qat:
             q = fp4.qdq(q, 32)
-        w = self.weights_proj(x) * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        w = w * (self.head_dim**-0.5 * self.n_heads**-0.5)
         s = torch.einsum("bshd,btd->bsht", q.float(), keys.float())
         s = (s.relu_() * w.float().unsqueeze(-1)).sum(dim=2)
         if self.split:
