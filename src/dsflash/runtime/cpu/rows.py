@@ -17,7 +17,8 @@ _decoding: contextvars.ContextVar[bool] = contextvars.ContextVar("dsflash_decodi
 
 @contextlib.contextmanager
 def decoding():
-    """The products inside run one decode token per row (Runner.decode's batched step)."""
+    """The products inside run one decode token per row (Runner.decode's batched step; a speculative verify's
+    positions and a draft's block)."""
     token = _decoding.set(True)
     try:
         yield

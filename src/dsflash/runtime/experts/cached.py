@@ -43,13 +43,14 @@ class CachedExperts:
             self.routing_log.moe(layer, ids)
         x = x.float()
         routed = ids.cpu()  # slot bookkeeping runs on the host whatever the device
-        experts = routed[0].tolist() if routed.shape[0] == 1 else torch.unique(routed).tolist()
+        table = routed.tolist()
+        experts = list(table[0]) if len(table) == 1 else sorted({e for row in table for e in row})
         self._resident_first(layer, experts)
         few = routed.shape[0] < SCAN_TOKENS or rows.is_decoding()
         if few and len(experts) <= self.pool.n_slots:  # decode, a batched step, a verify: all pinned at once
             slots = self._acquire(layer, experts)
             try:
-                return self._together(experts, slots, routed, x, weights)
+                return self._together(experts, slots, table, x, weights)
             finally:
                 self.release(layer, experts)
         y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -66,25 +67,28 @@ class CachedExperts:
         return y
 
     def _together(
-        self, experts: list[int], slots: list[int], routed: torch.Tensor, x: torch.Tensor, weights: torch.Tensor
+        self, experts: list[int], slots: list[int], table: list[list[int]], x: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """Every expert of the call resident in `slots` (experts' order). Each token's sum runs over its experts in
-        expert id order, whatever was resident when: a token's bits do not depend on the slots' history or on the
-        tokens beside it (a batched decode step's sequence gets its solo bits)."""
+        """Every expert of the call resident in `slots` (experts' order); table: each token's routed experts. Each
+        token's sum runs over its experts in expert id order, whatever was resident when: a token's bits do not
+        depend on the slots' history or on the tokens beside it (a batched decode step's sequence gets its solo
+        bits)."""
         slot_of = dict(zip(experts, slots, strict=True))
-        if routed.shape[0] == 1:  # one token: the layer's experts in one call
-            cols = routed[0].tolist()
-            order = sorted(cols)
-            w = weights[:, [cols.index(e) for e in order]]
-            return self.device.experts(self.slots, [slot_of[e] for e in order], self.layout, x, w, self.limit)
-        by_id, perm = routed.sort(dim=1)
-        w = weights.gather(1, perm.to(weights.device))
+        # each token's routing columns in expert id order (a few tokens: plain lists, no tensor sort)
+        order = [sorted(range(len(row)), key=row.__getitem__) for row in table]
+        if len(table) == 1:  # one token: the layer's experts in one call
+            ids = [slot_of[table[0][j]] for j in order[0]]
+            return self.device.experts(self.slots, ids, self.layout, x, weights[:, order[0]], self.limit)
+        w = weights.gather(1, torch.tensor(order, device=weights.device))
         index = {e: i for i, e in enumerate(experts)}
-        route = torch.tensor([[index[e] for e in row] for row in by_id.tolist()], dtype=torch.int32)
+        route = torch.tensor(
+            [[index[row[j]] for j in o] for row, o in zip(table, order, strict=True)], dtype=torch.int32
+        )
         y = self.device.routed(self.slots, slots, self.layout, x, route, w, self.limit)
         if y is not None:
             return y
         # expert by expert (each once for all its tokens), then each token's terms added in its id order
+        by_id = torch.tensor([[row[j] for j in o] for row, o in zip(table, order, strict=True)])
         terms = torch.empty((*by_id.shape, x.shape[1]), dtype=torch.float32, device=x.device)
         for e in experts:
             tok, j = (by_id == e).nonzero(as_tuple=True)

@@ -216,15 +216,19 @@ class RankRuntime:
 
     # ---- speculative decoding: the same calls on every rank (runtime/tp/workers.py sends them) ----
     def verify(self, tokens: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """tokens [1, s]: a forward whose positions stay revocable until accept() -> logits [1, s, V]."""
-        return self.forward(tokens, start_pos, verify=True)
+        """tokens [1, s]: a forward whose positions stay revocable until accept() -> logits [1, s, V]. Its few
+        positions are decode rows: every product takes the decode kernels, so each position's products have the
+        bits a plain decode step gives them."""
+        with rows.decoding():
+            return self.forward(tokens, start_pos, verify=True)
 
     def accept(self, n_keep: int) -> None:
         self.speculation.accept(self.state, n_keep)
 
     def draft(self, token: int, pos: int, k: int, sampling: tuple):
         """-> (ids [k], logits [k, V]) on every rank, or None; sampling: dspark.draft_sampler's arguments."""
-        return self.speculation.draft(token, pos, k, self.state, draft_sampler(*sampling))
+        with rows.decoding():  # a block of k decode rows
+            return self.speculation.draft(token, pos, k, self.state, draft_sampler(*sampling))
 
     def counters(self) -> ExpertCounters:
         return self.experts.counters()
