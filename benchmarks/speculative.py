@@ -2,12 +2,13 @@
 acceptance, the cost of a verify of K+1 positions against one decode step, and the break-even acceptance.
 
 Part 1, per model with a DSpark head (the demo model, the tiny fixture): two engine runners at TP 1 over the same
-checkpoint, one plain and one speculative; the same greedy prompts run plain, with speculation and its guard, and
-with speculation held on (the guard bypassed: what a head that does not pay costs without it). Two prompt sets:
-random ids with EOS ignored (drafts the head cannot guess: the guard's case) and, on the demo, held-out prompts of
-its own task families, each answer ending at EOS (the case the head was trained for). Decode tokens/s
-counts from the first token to the last of each request. Costs: a plain step, a speculative runner's plain step
-(which also seeds the head), a draft of K, a verify of K+1 positions with its accept.
+checkpoint, one plain and one speculative; the same greedy prompts run plain, with speculation and its guard, with
+the guard but without the confidence head's cut, and held on (the guard and the cut bypassed: what a head that does
+not pay costs without them). Two prompt sets: random ids with EOS ignored (drafts the head cannot guess: the
+guard's case) and, on the demo, held-out prompts of its own task families, each answer ending at EOS (the case the
+head was trained for). Decode tokens/s counts from the first token to the last of each request. Costs: a plain
+step, a speculative runner's plain step (which also seeds the head), a draft of K, a verify of K+1 positions with
+its accept.
 
 Part 2, at V4.1 widths (engine_decode.py's generated 4-layer checkpoint, no DSpark head): one decode step against
 one forward of K+1 positions with every position's logits (the verify), experts resident after a warm-up.
@@ -41,9 +42,24 @@ from engine_decode import open_model  # noqa: E402
 DEMO = Path(__file__).resolve().parents[1] / "src" / "dsflash" / "data" / "demo-v4.1"
 
 
+SPECULATIVE = ("guarded", "uncut", "held_on")
+
+
 class HeldOn(speculative.Costs):
-    def pays(self, k, accepted):
+    """The guard bypassed: every step drafts and verifies all K."""
+
+    def judge(self, tokens, seconds):
         return True
+
+    def cut(self, k, confidence):
+        return k
+
+
+class Uncut(speculative.Costs):
+    """The guard without the confidence head's cut: every draft verified whole."""
+
+    def cut(self, k, confidence):
+        return k
 
 
 def decode_time(engine, prompt: list[int], tokens: int, ignore_eos: bool) -> tuple[int, float]:
@@ -100,11 +116,13 @@ def family_prompts(model_dir: Path, n: int) -> list[list[int]]:
 
 
 def compare(plain, spec, prompts: list[list[int]], tokens: int, eos: int | None) -> dict:
-    """Decode tokens/s plain, speculative with the guard, speculative held on, over the same greedy prompts
-    (interleaved: a shared machine's load drifts alike over all three); eos None: EOS ignored."""
+    """Decode tokens/s plain, speculative with the guard (and the confidence cut), with the guard but no cut, and
+    held on, over the same greedy prompts (interleaved: a shared machine's load drifts alike over all of them); eos
+    None: EOS ignored."""
     engines = {"plain": Engine(plain, eos_ids={eos} - {None})}
-    for label in ("guarded", "held_on"):
+    for label in SPECULATIVE:
         engines[label] = Engine(spec, eos_ids={eos} - {None}, num_speculative_tokens=0)
+    engines["uncut"].costs = Uncut()
     engines["held_on"].costs = HeldOn()
     rates, row = {label: [0, 0.0] for label in engines}, {}
     for e in engines.values():
@@ -117,12 +135,13 @@ def compare(plain, spec, prompts: list[list[int]], tokens: int, eos: int | None)
     row["decode_tokens"] = rates["plain"][0]
     for label, (n, seconds) in rates.items():
         row[f"{label}_tok_s"] = n / seconds
-    for label in ("guarded", "held_on"):
+    for label in SPECULATIVE:
         s = engines[label].speculative_stats()
         row[f"{label}_vs_plain"] = row[f"{label}_tok_s"] / row["plain_tok_s"]
         row[f"{label}_verifies"] = s["spec_verifies"]
         row[f"{label}_mean_accepted"] = s["spec_mean_accepted"]
         row[f"{label}_guard_off_steps"] = s["spec_guard_off_steps"]
+        row[f"{label}_cut_drafts"] = s["spec_cut_tokens"]
     for e in engines.values():
         e.close()
     return row

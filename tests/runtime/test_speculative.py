@@ -20,23 +20,33 @@ from tests.model.conftest import open_case
 
 
 class AlwaysDraft(speculative.Costs):
-    """Costs under which every verify pays: drafting never stops, so every step exercises accept / reject."""
+    """Costs under which every verify pays and no draft is cut: drafting never stops, so every step exercises
+    accept / reject."""
 
-    def pays(self, k, accepted):
+    def judge(self, tokens, seconds):
         return True
+
+    def cut(self, k, confidence):
+        return k
 
 
 class Fixed(speculative.Costs):
     """A verify costs 1.5 plain steps, whatever the clock says: the guard's decisions depend on acceptance only."""
 
     def __init__(self):
-        super().__init__(plain=1.0, spec={k: 1.5 for k in range(1, 9)})
+        super().__init__(plain=1.0, draft=0.5, verify={k: 1.0 for k in range(1, 9)})
 
     def add_plain(self, s):
         pass
 
-    def add_spec(self, k, s):
+    def add_draft(self, s):
         pass
+
+    def add_verify(self, k, s):
+        pass
+
+    def cut(self, k, confidence):
+        return k
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -150,7 +160,7 @@ def test_sampled_speculation_keeps_the_target_distribution():
     last = r.forward(prompt, 0, False)[-1]
     token = int(last.argmax())
     params = SamplingParams(temperature=1.5, top_k=6, seed=None, max_tokens=8)
-    _, qlogits = r.draft(token, len(prompt), 1, (0.0, 0, 1.0, 0.0, 0, -1))
+    _, qlogits, _ = r.draft(token, len(prompt), 1, (0.0, 0, 1.0, 0.0, 0, -1))
     logits = r.verify([token, 5], len(prompt))
     p = probabilities(logits[0], params.temperature, params.top_k, params.top_p, params.min_p).numpy()
     q = probabilities(qlogits[0], params.temperature, params.top_k, params.top_p, params.min_p)
@@ -173,7 +183,7 @@ def test_sampled_speculation_keeps_the_target_distribution():
 
 
 class NeverPays(speculative.Costs):
-    def pays(self, k, accepted):
+    def judge(self, tokens, seconds):
         return False
 
 
@@ -219,7 +229,7 @@ def test_guard_turns_a_useless_head_off():
 
     def useless(token, pos, k, sampling):
         out = real(token, pos, k, sampling)
-        return None if out is None else ([(t + 1) % vocab for t in out[0]], out[1])  # the head's drafts, off by one
+        return None if out is None else ([(t + 1) % vocab for t in out[0]], *out[1:])  # the head's drafts, off by one
 
     runner.draft = useless
     spec = Engine(runner, eos_ids=set(), num_speculative_tokens=0)
@@ -234,6 +244,47 @@ def test_guard_turns_a_useless_head_off():
         _run(spec, case.tokens[5:20], max_tokens=6)  # the next sequence probes once, then waits its 64 steps
         assert spec.speculative_stats()["spec_verifies"] == 4
     finally:
+        spec.close()
+
+
+def test_the_confidence_cut_verifies_what_pays():
+    """Costs.cut: with a draft and verifies measured, the drafts worth verifying are those whose expected kept count
+    pays for the wider verify; none (a plain step) where no verify beats a plain step; all while unmeasured."""
+    c = speculative.Costs(plain=1.0, draft=0.3, verify={3: 1.6})
+    assert speculative.Costs().cut(3, [0.0, 0.0, 0.0]) == 3  # nothing measured yet: a verify measures it
+    assert c.verify_cost(1) == pytest.approx(1.2) and c.verify_cost(3) == 1.6
+    assert c.cut(3, [0.99, 0.99, 0.98]) == 3
+    assert c.cut(3, [0.95, 0.9, 0.02]) == 2  # the third would widen the verify for a 2 % chance
+    assert c.cut(3, [0.1, 0.9, 0.9]) == 0  # a verify would keep 0.1 + 0.09 + 0.08 drafts: a plain step is faster
+    assert c.cut(2, [0.99, 0.99, 0.99]) == 2  # never more than asked for
+
+
+def test_cut_drafts_are_plain_decoding_and_a_head_without_confidence_turns_off():
+    """A head whose confidence says every draft is wrong: no verify runs (each draft is cut whole and a plain step
+    emits the token), the output is plain decoding's, and the guard, counting each cut as a step that emitted one
+    token at a draft's extra cost, turns drafting off after its probes as for a useless head."""
+    case = open_case("tiny_a")
+    runner = ModelRunner(case.ref, 192, speculative=True)
+    real = runner.draft
+
+    def unsure(token, pos, k, sampling):
+        out = real(token, pos, k, sampling)
+        return None if out is None else (out[0], out[1], [0.0] * len(out[0]))
+
+    runner.draft = unsure
+    plain = Engine(ModelRunner(case.ref, 192), eos_ids=set()).start()
+    spec = Engine(runner, eos_ids=set(), num_speculative_tokens=0)
+    spec.costs = Fixed()
+    spec.costs.cut = speculative.Costs.cut.__get__(spec.costs)  # Fixed's costs, the real cut
+    spec.start()
+    try:
+        want = [e.token for e in _run(plain, case.tokens[:20], max_tokens=30)]
+        assert [e.token for e in _run(spec, case.tokens[:20], max_tokens=30)] == want
+        s = spec.speculative_stats()
+        assert s["spec_verifies"] == 0 and s["spec_cut_tokens"] == 3 * 3  # probes at tokens 1, 10, 27: cut
+        assert s["spec_guard_off_steps"] == 8 + 16 + 2
+    finally:
+        plain.close()
         spec.close()
 
 

@@ -87,6 +87,7 @@ def run(opts: BenchOptions) -> int:
         result["speculative"] = {
             "drafts_proposed": int(d.get("spec_draft_tokens", 0)),
             "drafts_accepted": int(d.get("spec_accepted_tokens", 0)),
+            "drafts_cut": int(d.get("spec_cut_tokens", 0)),
             "verifies": int(d.get("spec_verifies", 0)),
             "mean_accepted_per_verify": d["spec_accepted_tokens"] / d["spec_verifies"]
             if d.get("spec_verifies")

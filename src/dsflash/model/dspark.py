@@ -214,8 +214,10 @@ class Speculation:
         self.mark = self.taps = None
 
     def draft(self, token: int, pos: int, k: int, state, sample=greedy):
-        """Up to k draft tokens after `token` at position pos -> (ids [k], logits [k, V]), or None where no draft can
-        start (the last consumed position is not pos - 1, or it is position 0: the head drafts after a decode)."""
+        """Up to k draft tokens after `token` at position pos -> (ids [k], logits [k, V], confidence [k]: each
+        draft's probability of being right where the ones before it are, from the confidence head), or None where
+        no draft can start (the last consumed position is not pos - 1, or it is position 0: the head drafts after a
+        decode)."""
         if not self.pending or self.tap_pos != pos - 1 or pos < 2:
             return None
         first, taps = self.pending[0][0], torch.cat([t for _, t in self.pending], dim=1)
@@ -224,8 +226,8 @@ class Speculation:
         self.pending = [(pos - 1, taps[:, -1:])]
         out = self.model.draft(torch.tensor([token], device=taps.device), taps[:, -1:], pos - 1, state, self.experts,
                                sample)  # fmt: skip
-        ids, logits, _ = out
-        return ids[0, 1 : k + 1], logits[0, :k]
+        ids, logits, confidence = out
+        return ids[0, 1 : k + 1], logits[0, :k], torch.sigmoid(confidence[0, :k].float())
 
     def _consumed(self, taps: torch.Tensor, start_pos: int) -> None:
         if self.tap_pos != start_pos - 1:  # a new sequence, or one restored from a snapshot: older taps are not its

@@ -47,10 +47,13 @@ class ModelRunner:
     def draft_block(self) -> int:
         return self.model.cfg.dspark_block_size
 
-    def draft(self, token: int, pos: int, k: int, sampling: tuple) -> tuple[list[int], torch.Tensor] | None:
-        """sampling: (temperature, top_k, top_p, min_p, seed, index) of the draws inside the draft."""
+    def draft(
+        self, token: int, pos: int, k: int, sampling: tuple
+    ) -> tuple[list[int], torch.Tensor, list[float]] | None:
+        """sampling: (temperature, top_k, top_p, min_p, seed, index) of the draws inside the draft -> (ids, logits,
+        confidence), or None."""
         out = self.speculation.draft(token, pos, k, self.state, draft_sampler(*sampling))
-        return None if out is None else (out[0].tolist(), out[1])
+        return None if out is None else (out[0].tolist(), out[1], out[2].tolist())
 
     def verify(self, tokens: list[int], start_pos: int) -> torch.Tensor:
         return self.speculation.forward(torch.tensor([tokens]), start_pos, self.state, verify=True)[0]

@@ -9,13 +9,20 @@ must not change the tokens: every generated position i draws argmax(log p + G_i)
 where it equals the target's draw. The output is then a function of the seed and the model alone, drafted or not
 (it differs from the same seed with speculation off, whose sampler draws by inverse CDF).
 
-The guard: per sequence an EMA of the drafts accepted per verify, and per engine the measured cost of a verify
-against a plain step. Drafting stops when (accepted + 1) / verify cost < 1 / plain cost, then re-probes after 8,
-16, ... up to PROBE_MAX plain steps; a new sequence probes at its first decode step and then waits as long as the
-last sequence's guard did (a head that did not pay keeps its long waits). With a useless head each probe emits one
-token at the price of a draft and a verify, so the loss is bounded by (draft + verify) / step - 1 per probe: one
-probe per request plus one per PROBE_MAX tokens once the waits are long (plus the first request's doubling: at most
-log2(PROBE_MAX / PROBE_FIRST) more probes). docs/performance.md measures it."""
+The confidence head cuts each draft: it scores every drafted token with the chance that it is right given that the
+ones before it are (a calibrated probability on the demo's held-out answers, docs/performance.md), so the expected
+drafts kept by a verify of j of them is the sum over i <= j of the products of the first i scores. After drafting,
+the engine verifies the j that gives the most tokens per second of verify at its measured cost, or none when a
+plain step gives more (the draft is spent either way). A low-confidence draft then costs its draft and no verify.
+
+The guard: per sequence, EMAs of the tokens a drafting step emitted and of what it cost (the draft plus its verify,
+or plus the plain step that replaced a cut verify, at the engine's measured costs). Drafting stops when those
+tokens per second fall below a plain step's, then re-probes after 8, 16, ... up to PROBE_MAX plain steps; a new
+sequence probes at its first decode step and then waits as long as the last sequence's guard did (a head that did
+not pay keeps its long waits). With a useless head each probe emits one token at the price of a draft and at most a
+verify, so the loss is bounded by (draft + verify) / step - 1 per probe: one probe per request plus one per
+PROBE_MAX tokens once the waits are long (plus the first request's doubling: at most log2(PROBE_MAX / PROBE_FIRST)
+more probes). docs/performance.md measures it."""
 
 from __future__ import annotations
 
@@ -36,31 +43,62 @@ COST_EMA = 0.2  # weight of the newest timing in the cost averages
 
 @dataclass
 class Costs:
-    """Seconds of a plain decode step and of a draft + verify of k tokens on this machine (EMAs, engine-wide)."""
+    """Seconds of a plain decode step, of a draft, and of a verify of k drafts with its accept on this machine (EMAs,
+    engine-wide)."""
 
     plain: float | None = None
-    spec: dict[int, float] = field(default_factory=dict)
+    draft: float | None = None
+    verify: dict[int, float] = field(default_factory=dict)
     backoff: int = PROBE_FIRST  # plain steps the next failed probe waits (the guards of successive sequences share it)
 
     def add_plain(self, s: float) -> None:
-        self.plain = s if self.plain is None else (1 - COST_EMA) * self.plain + COST_EMA * s
+        self.plain = _ema(self.plain, s)
 
-    def add_spec(self, k: int, s: float) -> None:
-        old = self.spec.get(k)
-        self.spec[k] = s if old is None else (1 - COST_EMA) * old + COST_EMA * s
+    def add_draft(self, s: float) -> None:
+        self.draft = _ema(self.draft, s)
 
-    def pays(self, k: int, accepted: float) -> bool:
-        """Whether verifies of k drafts that keep `accepted` of them beat plain steps in tokens per second."""
-        if self.plain is None or k not in self.spec:
-            return True  # not measured yet: a probe measures it
-        return (accepted + 1) / self.spec[k] >= 1 / self.plain
+    def add_verify(self, k: int, s: float) -> None:
+        self.verify[k] = _ema(self.verify.get(k), s)
+
+    def verify_cost(self, k: int) -> float | None:
+        """A verify of k drafts: measured, else the largest measured one's cost scaled linearly in its positions
+        from a plain step's (a verify of 0 drafts would be one)."""
+        if k in self.verify:
+            return self.verify[k]
+        if not self.verify or self.plain is None:
+            return None
+        m = max(self.verify)
+        return self.plain + (self.verify[m] - self.plain) * k / m
+
+    def judge(self, tokens: float, seconds: float) -> bool:
+        """Whether drafting steps that emit `tokens` in `seconds` (averages) beat plain steps in tokens per second."""
+        return self.plain is None or tokens / seconds >= 1 / self.plain
+
+    def cut(self, k: int, confidence: list[float]) -> int:
+        """How many of k drafts to verify, given the confidence head's scores: the count with the most expected
+        tokens per second of verify, or 0 (a plain step instead) where none beats a plain step. Unmeasured costs:
+        all k (a verify measures them)."""
+        if self.plain is None or self.verify_cost(k) is None:
+            return k
+        best, chosen, kept, p = 1 / self.plain, 0, 0.0, 1.0
+        for j, c in enumerate(confidence[:k], start=1):
+            p *= c
+            kept += p
+            rate = (kept + 1) / self.verify_cost(j)
+            if rate > best:
+                best, chosen = rate, j
+        return chosen
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - COST_EMA) * old + COST_EMA * new
 
 
 class Guard:
-    """One sequence's decision to draft: on until its acceptance no longer pays, then off with probes."""
+    """One sequence's decision to draft: on while its drafting steps pay, then off with probes."""
 
     def __init__(self, costs: Costs):
-        self.costs, self.accepted, self.wait = costs, None, 0
+        self.costs, self.tokens, self.seconds, self.wait = costs, None, None, 0
 
     @property
     def off(self) -> bool:
@@ -70,13 +108,23 @@ class Guard:
         self.wait = max(0, self.wait - 1)
 
     def verified(self, k: int, accepted: int) -> None:
-        probe = self.accepted is None
-        self.accepted = accepted if probe else (1 - EMA) * self.accepted + EMA * accepted
         c = self.costs
-        if c.pays(k, self.accepted):
+        self._judge(accepted + 1, (c.draft or 0.0) + (c.verify_cost(k) or 0.0))
+
+    def skipped(self) -> None:
+        """The draft was cut whole: a plain step emitted the token, after the draft's cost."""
+        c = self.costs
+        self._judge(1, (c.draft or 0.0) + (c.plain or 0.0))
+
+    def _judge(self, tokens: float, seconds: float) -> None:
+        probe = self.tokens is None
+        self.tokens = tokens if probe else (1 - EMA) * self.tokens + EMA * tokens
+        self.seconds = seconds if probe else (1 - EMA) * self.seconds + EMA * seconds
+        c = self.costs
+        if self.seconds <= 0 or c.judge(self.tokens, self.seconds):
             c.backoff = PROBE_FIRST
             return
-        self.wait, self.accepted = c.backoff, None  # the next verify is a probe: judged on its own
+        self.wait, self.tokens, self.seconds = c.backoff, None, None  # the next drafting step is a probe
         c.backoff = min(2 * c.backoff, PROBE_MAX)
 
 
@@ -88,8 +136,9 @@ class Speculative:
 
 
 def stats_keys() -> dict[str, int | float]:
-    return {"spec_verifies": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_guard_off_steps": 0,
-            "spec_guard_off_s": 0.0}  # fmt: skip
+    """spec_draft_tokens: drafts verified; spec_cut_tokens: drafts the confidence cut left unverified."""
+    return {"spec_verifies": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "spec_cut_tokens": 0,
+            "spec_guard_off_steps": 0, "spec_guard_off_s": 0.0}  # fmt: skip
 
 
 def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) -> None:
@@ -147,13 +196,21 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
         )
         t = time.perf_counter()
         drafted = runner.draft(token, pos, k, _draw_params(params, sampler, coupled)) if drafting else None
-        if drafted is None:
+        use = 0
+        if drafted is not None:
+            engine.costs.add_draft(time.perf_counter() - t)
+            use = engine.costs.cut(len(drafted[0]), drafted[2])
+            counters["spec_cut_tokens"] += len(drafted[0]) - use
+        if use == 0:
+            t1 = time.perf_counter()
             logits = runner.forward([token], pos, False)[-1]
             fed.append(token)
             pos += 1
             elapsed = time.perf_counter() - t
-            engine.costs.add_plain(elapsed)
-            if guard.off:
+            engine.costs.add_plain(time.perf_counter() - t1)
+            if drafted is not None:
+                guard.skipped()
+            elif guard.off:
                 counters["spec_guard_off_steps"] += 1
                 counters["spec_guard_off_s"] += elapsed
             guard.plain_step()
@@ -163,7 +220,8 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
                 return
             token = s.token
             continue
-        ids, qlogits = drafted
+        ids, qlogits = drafted[0][:use], drafted[1][:use]
+        t1 = time.perf_counter()
         logits = runner.verify([token, *ids], pos)
         out = _accept(sampler, params, ids, qlogits, logits, draw if coupled else None)
         n = len(out) - 1  # drafts kept
@@ -171,7 +229,7 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
         fed += [token, *ids[:n]]
         pos += n + 1
         elapsed = time.perf_counter() - t
-        engine.costs.add_spec(len(ids), elapsed)
+        engine.costs.add_verify(len(ids), time.perf_counter() - t1)
         guard.verified(len(ids), n)
         counters["spec_verifies"] += 1
         counters["spec_draft_tokens"] += len(ids)

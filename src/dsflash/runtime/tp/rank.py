@@ -226,7 +226,8 @@ class RankRuntime:
         self.speculation.accept(self.state, n_keep)
 
     def draft(self, token: int, pos: int, k: int, sampling: tuple):
-        """-> (ids [k], logits [k, V]) on every rank, or None; sampling: dspark.draft_sampler's arguments."""
+        """-> (ids [k], logits [k, V], confidence [k]) on every rank, or None; sampling: dspark.draft_sampler's
+        arguments."""
         with rows.decoding():  # a block of k decode rows
             return self.speculation.draft(token, pos, k, self.state, draft_sampler(*sampling))
 

@@ -475,11 +475,14 @@ class TPRunner:
         """Keep the first n_keep positions of the last verify on every rank; drop the rest exactly."""
         self._guarded(ACCEPT, 0, n_keep, 0, None, lambda: self.rank0.accept(n_keep))
 
-    def draft(self, token: int, pos: int, k: int, sampling: tuple) -> tuple[list[int], torch.Tensor] | None:
-        """Up to k DSpark drafts after token at pos -> (ids, logits [k, V]), or None where none can start."""
+    def draft(
+        self, token: int, pos: int, k: int, sampling: tuple
+    ) -> tuple[list[int], torch.Tensor, list[float]] | None:
+        """Up to k DSpark drafts after token at pos -> (ids, logits [k, V], confidence [k]), or None where none can
+        start."""
         t = torch.tensor(sampling, dtype=torch.float64)
         out = self._guarded(DRAFT, pos, k, token, t, lambda: self.rank0.draft(token, pos, k, _sampling(t)))
-        return None if out is None else (out[0].tolist(), out[1].cpu())
+        return None if out is None else (out[0].tolist(), out[1].cpu(), out[2].tolist())
 
     # ---- prefix snapshots (runtime/prefix/cache.SnapshotRunner) ----
     @property
