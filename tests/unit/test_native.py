@@ -124,16 +124,16 @@ def test_decode_gemv_rows_do_not_depend_on_their_neighbours(kernels):
 
 
 def test_a_batched_fp8_gemv_row_is_that_vector_alone(kernels):
-    """A batched decode step's dense products (2-11 vectors: one and two passes of the vector builds' 8) give each
-    vector the bits of its one-vector call there (AVX2 and AVX-512), so a batch changes no stream's dense math; the
-    portable build differs by fp32 noise."""
-    w = torch.randn(100, 256) * 0.03  # 100 rows: 32-row scale blocks and a ragged last one, split over 2 threads
+    """A batched decode step's dense products (2-11 vectors: one and two passes of the vector builds' 8; 2-4 of
+    them take rows two or four at a time on AVX-512) give each vector the bits of its one-vector call there (AVX2
+    and AVX-512), so a batch changes no stream's dense math; the portable build differs by fp32 noise."""
+    w = torch.randn(102, 256) * 0.03  # 32-row scale blocks and a ragged last one of 6 rows, split over 2 threads
     q, s = fp8.quant_block(w, 32)
     W = Fp8Weight(q.view(torch.uint8), s.float() * 1.37, 32)  # scales off powers of two: x * s rounds
     if kernels == "none":
         return  # no GEMV: the torch fallback multiplies the expansion (test_fp8_and_bf16_dense)
     bitwise = kernels == "avx2" or (kernels == "native" and (HAS_AVX2 or AVX512))
-    for n in (2, 3, 8, 11):
+    for n in (2, 3, 4, 8, 11):
         x = torch.randn(n, 256)
         got = native.fp8_gemv(W.q, W.scale256, 32, x)
         alone = torch.cat([native.fp8_gemv(W.q, W.scale256, 32, x[i : i + 1]) for i in range(n)])

@@ -237,6 +237,33 @@ static inline __attribute__((always_inline)) void fp8_tile(const uint8_t *row, c
     for (int k = 0; k < K; k++) _mm512_store_ps(ao + 32 * k, a0[k]), _mm512_store_ps(ao + 32 * k + 16, a1[k]);
 }
 
+/* fp8_tile for R rows at once (rows R apart at stride I, their accumulators 32 K apart in ao): R memory streams,
+ * as fp8_rows1 keeps for one vector, where a few vectors leave registers for them; every output's chain is
+ * fp8_tile's */
+static inline __attribute__((always_inline)) void fp8_tile_rows(const uint8_t *row, size_t I, const uint8_t *next,
+                                                                int tl, const float *xs, int T, float *ao,
+                                                                const int K, const int R) {
+    __m512 a0[4][4], a1[4][4];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < K; k++)
+            a0[r][k] = _mm512_load_ps(ao + 32 * (r * K + k)), a1[r][k] = _mm512_load_ps(ao + 32 * (r * K + k) + 16);
+    for (int c = 0; c < tl; c += 32) {
+        if ((c & 63) == 0)
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(next + r * I + c), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m512 lo, hi;
+            e4m3x32(row + r * I + c, &lo, &hi);
+            for (int k = 0; k < K; k++) {
+                a0[r][k] = _mm512_fmadd_ps(lo, _mm512_load_ps(xs + k * T + c), a0[r][k]);
+                a1[r][k] = _mm512_fmadd_ps(hi, _mm512_load_ps(xs + k * T + c + 16), a1[r][k]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < K; k++)
+            _mm512_store_ps(ao + 32 * (r * K + k), a0[r][k]), _mm512_store_ps(ao + 32 * (r * K + k) + 16, a1[r][k]);
+}
+
 /* nx > 1 vectors on AVX-512, as the AVX2 loop below: each weight row decoded once for up to FP8_VECS vectors
  * (decoded once per pair, 2 rows cost 2.3x one and 8 rows 5.3x; now 1.4x and 2.8x). Every output is fp8_rows1's chain (x
  * times the block scale, the same two FMA chains in column order, then their sum reduced), so row k of a batch
@@ -265,7 +292,23 @@ static void fp8_gemv_vecs(const uint8_t *w, const float *scale, int O, int I, in
                         for (int c = 0; c < tl; c += 16)
                             _mm512_store_ps(xs + k * T + c, _mm512_mul_ps(_mm512_loadu_ps(x + (size_t)(k0 + k) * I + t + c),
                                                                           _mm512_set1_ps(sr[(t + c) / B])));
-                    for (int o = o0; o < o1; o++) {
+                    /* two to four vectors: rows two or four at a time (more memory streams, few enough
+                     * accumulators for the registers) */
+                    const int R = K <= 2 ? 4 : (K <= 4 ? 2 : 1);
+                    int o = o0;
+                    for (; R > 1 && o + R <= o1; o += R) {
+                        const uint8_t *row = w + (size_t)o * I + t, *next = row + (o + 2 * R <= o1 ? (size_t)R * I : 0);
+                        float *ao = am + (size_t)(o - o0) * 32 * K;
+                        if (K == 1)
+                            fp8_tile_rows(row, I, next, tl, xs, T, ao, 1, 4);
+                        else if (K == 2)
+                            fp8_tile_rows(row, I, next, tl, xs, T, ao, 2, 4);
+                        else if (K == 3)
+                            fp8_tile_rows(row, I, next, tl, xs, T, ao, 3, 2);
+                        else
+                            fp8_tile_rows(row, I, next, tl, xs, T, ao, 4, 2);
+                    }
+                    for (; o < o1; o++) {
                         const uint8_t *row = w + (size_t)o * I + t, *next = row + (o + 4 < o1 ? 4 * I : 0);
                         float *ao = am + (size_t)(o - o0) * 32 * K;
                         switch (K) { /* constant K: the accumulators stay in registers */
