@@ -164,6 +164,29 @@ static inline __attribute__((always_inline)) void fp8_tile(const uint8_t *row, c
     for (int k = 0; k < K; k++) _mm256_store_ps(ao + 8 * k, a[k]);
 }
 
+/* fp8_tile for R rows at once (stride I, accumulators 8 K apart in ao): R memory streams where a few vectors leave
+ * registers for them; every output's chain is fp8_tile's */
+static inline __attribute__((always_inline)) void fp8_tile_rows(const uint8_t *row, size_t I, const uint8_t *next,
+                                                                int tl, const float *xs, int T, float *ao,
+                                                                const int K, const int R) {
+    __m256 a[4][4];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < K; k++) a[r][k] = _mm256_load_ps(ao + 8 * (r * K + k));
+    for (int c = 0; c < tl; c += 16) {
+        if ((c & 63) == 0)
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(next + r * I + c), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m256 lo, hi;
+            e4m3x16(row + r * I + c, &lo, &hi);
+            for (int k = 0; k < K; k++)
+                a[r][k] = _mm256_fmadd_ps(hi, _mm256_load_ps(xs + k * T + c + 8),
+                                          _mm256_fmadd_ps(lo, _mm256_load_ps(xs + k * T + c), a[r][k]));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < K; k++) _mm256_store_ps(ao + 8 * (r * K + k), a[r][k]);
+}
+
 /* nx > 1 vectors (a batched decode step's rows): each weight row is decoded once for up to FP8_VECS vectors.
  * Every output is fp8_rows1's chain (x times the block scale, then the same FMAs
  * in column order, then hsum8), so row k of a batch equals the one-vector call on x[k] bit for bit. Columns go in
@@ -192,7 +215,22 @@ static void fp8_gemv_vecs(const uint8_t *w, const float *scale, int O, int I, in
                         for (int c = 0; c < tl; c += 8)
                             _mm256_store_ps(xs + k * T + c, _mm256_mul_ps(_mm256_loadu_ps(x + (size_t)(k0 + k) * I + t + c),
                                                                           _mm256_set1_ps(sr[(t + c) / B])));
-                    for (int o = o0; o < o1; o++) {
+                    /* two to four vectors: rows two or four at a time (more memory streams) */
+                    const int R = K <= 2 ? 4 : (K <= 4 ? 2 : 1);
+                    int o = o0;
+                    for (; R > 1 && o + R <= o1; o += R) {
+                        const uint8_t *row = w + (size_t)o * I + t, *next = row + (o + 2 * R <= o1 ? (size_t)R * I : 0);
+                        float *ao = am + (size_t)(o - o0) * 8 * K;
+                        if (K == 1)
+                            fp8_tile_rows(row, I, next, tl, xs, T, ao, 1, 4);
+                        else if (K == 2)
+                            fp8_tile_rows(row, I, next, tl, xs, T, ao, 2, 4);
+                        else if (K == 3)
+                            fp8_tile_rows(row, I, next, tl, xs, T, ao, 3, 2);
+                        else
+                            fp8_tile_rows(row, I, next, tl, xs, T, ao, 4, 2);
+                    }
+                    for (; o < o1; o++) {
                         const uint8_t *row = w + (size_t)o * I + t, *next = row + (o + 4 < o1 ? 4 * I : 0);
                         float *ao = am + (size_t)(o - o0) * 8 * K;
                         switch (K) { /* constant K: the accumulators stay in registers */
