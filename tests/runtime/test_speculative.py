@@ -281,7 +281,8 @@ def test_cut_drafts_are_plain_decoding_and_a_head_without_confidence_turns_off()
         want = [e.token for e in _run(plain, case.tokens[:20], max_tokens=30)]
         assert [e.token for e in _run(spec, case.tokens[:20], max_tokens=30)] == want
         s = spec.speculative_stats()
-        assert s["spec_verifies"] == 0 and s["spec_cut_tokens"] == 3 * 3  # probes at tokens 1, 10, 27: cut
+        # probes at tokens 1, 10 and 27 (which may draft only 2 of 30): all cut
+        assert s["spec_verifies"] == 0 and s["spec_cut_tokens"] == 3 + 3 + 2
         assert s["spec_guard_off_steps"] == 8 + 16 + 2
     finally:
         plain.close()

@@ -208,12 +208,13 @@ def decode(engine, handle, last, prompt_lp, stats: StepStats, fed: list[int]) ->
             pos += 1
             elapsed = time.perf_counter() - t
             engine.costs.add_plain(time.perf_counter() - t1)
-            if drafted is not None:
+            if drafted is not None:  # a drafting step whose verify was cut: judged as one
                 guard.skipped()
-            elif guard.off:
-                counters["spec_guard_off_steps"] += 1
-                counters["spec_guard_off_s"] += elapsed
-            guard.plain_step()
+            else:
+                if guard.off:
+                    counters["spec_guard_off_steps"] += 1
+                    counters["spec_guard_off_s"] += elapsed
+                guard.plain_step()
             step_stats = StepStats(experts_start, runner.counters(), step_s=elapsed)
             s = draw(logits)
             if emit(s, step_stats):
