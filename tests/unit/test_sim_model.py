@@ -14,7 +14,7 @@ from dsflash.sim.box import BASELINE, MEASURED, REFERENCE, REFERENCE_LOCALITY, W
 from dsflash.sim.model import Machine
 from dsflash.sim.run import Simulator
 from dsflash.sim.traces import RequestTrace, SyntheticRouting, draw_without_replacement, load_recorded
-from dsflash.sim.whatif import concurrency, concurrency_markdown
+from dsflash.sim.whatif import concurrency, concurrency_markdown, speculation, speculation_markdown
 
 
 def test_workloads_match_the_bench_presets():
@@ -91,6 +91,37 @@ def test_concurrency_rows_on_the_reference_box(capsys):
     assert four.per_stream_tok_s < one.per_stream_tok_s  # the union of four tokens' experts costs copies
     assert one.experts_per_step < four.experts_per_step <= 4 * one.experts_per_step
     assert "| chat | 4 |" in concurrency_markdown(rows)
+
+
+def test_a_verify_pass_reads_its_positions_experts_once_and_emits_the_stated_tokens():
+    """Speculation in the model: each pass drafts (Box.draft_time) and verifies k + 1 positions as one batched step
+    over their routing, then emits `accepted` + 1 tokens on average; every output token is emitted once."""
+    box = Box(layers=2, experts=8, top_k=2, slots=16, chips=4, floor=0.1, layer_sync=0.01, token_compute=0.001,
+              prefill_chunk=4, page_cache=1e12, draft_time=0.05)  # fmt: skip
+    trace = steps_of(4, 9)  # 8 decode steps after the prompt's first token
+    full = Machine(box, BASELINE, np.arange(16), experts=8).run_speculative(trace, 3, 3.0)
+    assert len(full.tpots) == 8 and full.verifies == 2  # 4 tokens a pass
+    assert full.tpots == pytest.approx([(0.05 + 0.1 + 2 * 0.01) / 4] * 8)  # resident: one floor for 4 positions
+    none = Machine(box, BASELINE, np.arange(16), experts=8).run_speculative(trace, 3, 0.0)
+    assert len(none.tpots) == 8 and none.verifies == 8  # a token a pass: the draft is pure cost
+    half = Machine(box, BASELINE, np.arange(16), experts=8).run_speculative(trace, 3, 1.5)
+    assert len(half.tpots) == 8 and half.verifies == 4  # 2.5 tokens a pass on average: 2, 3, 2, then the last
+    plain = Machine(box, BASELINE, np.arange(16), experts=8).run(trace)
+    assert np.mean(none.tpots) > np.mean(plain.tpots) > np.mean(full.tpots)
+
+
+def test_speculation_rows_on_the_reference_box():
+    """At the reference box's measured 1.2 drafts kept a pass speculation does not pay (what the box measured; the
+    draft's cost is fitted to it), at 3 of 5 it does."""
+    sim = Simulator(REFERENCE, REFERENCE_LOCALITY, prompts=1)
+    ((plain, (low, high)),) = speculation(sim, [WORKLOADS["chat"].scaled(0.25)], ((5, 1.2), (5, 3.0)))
+    assert low.decode_tok_s < plain.decode_tok_s < high.decode_tok_s
+    assert low.experts_per_verify > 240  # six positions' union, more than one token's 40 x 6
+    assert "| chat | 5 | 3 |" in speculation_markdown([(plain, [low, high])])
+    with pytest.raises(ConfigError, match="K:A"):
+        from dsflash.cli.simulate import _speculate
+
+        _speculate("5:6")
 
 
 def test_overlap_and_prefetch_never_slow_a_step_down():

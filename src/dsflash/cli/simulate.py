@@ -1,6 +1,6 @@
 """`dsflash simulate`: the trace-driven performance model of an expert-streaming box (docs/simulator.md): the
 calibration table against the reference QuietBox 2, and what each lever (cache policy, overlap, prefetch,
-expert-major prefill, page cache, cold reads, concurrent streams) buys."""
+expert-major prefill, page cache, cold reads, concurrent streams, speculative decoding) buys."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--streams", default="1,2,4,8", metavar="B[,B...]",
                    help="sequences decoding at once in the what-if's concurrency rows (the union of their experts "
                    "per layer read once per step)")  # fmt: skip
+    p.add_argument("--speculate", default="5:1.2,5:2,5:3", metavar="K:A[,K:A...]",
+                   help="the what-if's speculation rows: K drafts a verify, A of them kept on average (a stated "
+                   "acceptance; the reference box measured 1.2)")  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic traces")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.set_defaults(run=run)
@@ -55,6 +58,8 @@ def run(args) -> int:
         calibration_markdown,
         concurrency,
         concurrency_markdown,
+        speculation,
+        speculation_markdown,
         what_if,
         what_if_markdown,
     )
@@ -62,6 +67,7 @@ def run(args) -> int:
     if args.prompts < 1 or args.scale <= 0:
         raise ConfigError("--prompts must be >= 1 and --scale > 0")
     streams = _streams(args.streams)
+    speculate = _speculate(args.speculate)
     loc = REFERENCE_LOCALITY
     for name in ("zipf", "request_sigma", "reuse"):
         if getattr(args, name) is not None:
@@ -101,6 +107,11 @@ def run(args) -> int:
             print(concurrency_markdown(rows))
             out["concurrency"] = [asdict(r) | {"aggregate_tok_s": r.aggregate_tok_s,
                                                "per_stream_tok_s": r.per_stream_tok_s} for r in rows]  # fmt: skip
+            spec = speculation(sim, wls, speculate, progress=progress)
+            print("\n## what-if: speculative decoding (reference box, one sequence; stated acceptance)\n")
+            print(speculation_markdown(spec))
+            out["speculation"] = [asdict(r) | {"decode_tok_s": r.decode_tok_s, "plain_decode_tok_s": p.decode_tok_s}
+                                  for p, rs in spec for r in rs]  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
@@ -117,6 +128,26 @@ def _streams(text: str) -> tuple[int, ...]:
     if not out or min(out) < 1:
         raise ConfigError(f"--streams takes positive integers separated by commas (1,2,4,8); got {text!r}")
     return out
+
+
+def _speculate(text: str) -> tuple[tuple[int, float], ...]:
+    from dsflash.errors import ConfigError
+
+    out = []
+    for part in text.split(","):
+        k, _, a = part.partition(":")
+        try:
+            out.append((int(k), float(a)))
+        except ValueError:
+            out = []
+            break
+        if out[-1][0] < 1 or not 0 <= out[-1][1] <= out[-1][0]:
+            out = []
+            break
+    if not out:
+        raise ConfigError(f"--speculate takes K:A pairs (drafts, 0 <= accepted <= drafts) separated by commas "
+                          f"(5:1.2,5:2); got {text!r}")  # fmt: skip
+    return tuple(out)
 
 
 def _recorded_markdown(table) -> str:

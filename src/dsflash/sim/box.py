@@ -44,6 +44,12 @@ class Box:
     state_bytes_per_token: float = 6408.0
     state_fixed_bytes: float = 11.3 * MB
     snapshot_bw: float = 8 * GB  # guess: host memcpy of a snapshot back into the decode state
+    # fitted: one DSpark draft pass (V4.1-Flash's 3 stages over a block of 5). The box measured 1.2 drafts accepted
+    # a pass and slower than plain decoding (seed.md); with a verify priced as the batched step below (about 1.2
+    # plain steps for 6 positions), that needs a draft of at least ~0.28 s, about one traced decode step. Three
+    # stages' share of the floor and their round trips would be ~0.02 s: the draft ran far slower than its
+    # arithmetic (an untraced pass would: guess)
+    draft_time: float = 0.30
 
     @property
     def shard_bytes(self) -> float:

@@ -4,7 +4,10 @@ where their bytes come from (host page cache or NVMe), and how the copies line u
 Concurrent sequences (run_streams): one decode step advances each of B sequences by a token; per layer the union
 of their routed experts is looked up, copied and read once, the resident weights (attention, head, shared
 experts) once per step; attention's context cost is per sequence, and the B tokens' math shows only where it
-outlasts the step's floor and weight reads."""
+outlasts the step's floor and weight reads.
+
+Speculative decoding (run_speculative): a pass drafts k tokens (Box.draft_time) and verifies k + 1 positions of one
+sequence as such a batched step over the routing of its next k + 1 tokens, and emits a stated number of them."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class RequestResult:
     decode_accesses: int = 0
     cold_reads: int = 0
     prefetched: int = 0
+    verifies: int = 0  # speculative verify passes
 
 
 @dataclass
@@ -69,6 +73,33 @@ class Machine:
             routing = [np.concatenate([s.routing[l] for s in batch]) for l in range(layers)]
             step = Step("decode", batch[0].pos, len(batch), routing, positions=[s.pos for s in batch])
             res.tpots.append(self._step(step, traces[0], res))
+        return res
+
+    def run_speculative(self, trace: RequestTrace, k: int, accepted: float) -> RequestResult:
+        """One request with speculative decoding: its prompt prefilled (not timed), then passes that draft k tokens
+        and verify k + 1 positions at once (the routing of the next k + 1 generated tokens, the union of their
+        experts read once), each emitting `accepted` + 1 tokens on average (a running fraction decides how many) ->
+        tpots per emitted token, slot counts over the verify passes."""
+        res = RequestResult(0.0, [])
+        decodes = []
+        for step in trace.steps(self.box.prefill_chunk, self.policy.expert_major):
+            if step.kind == "prefill":
+                self._step(step, trace, res)
+            else:
+                decodes.append(step)
+        res.prefill_misses = 0
+        i, owed = 0, 0.0
+        while i < len(decodes):
+            block = decodes[i : i + k + 1]
+            routing = [np.concatenate([s.routing[l] for s in block]) for l in range(len(block[0].routing))]
+            verify = Step("decode", block[0].pos, len(block), routing, positions=[s.pos for s in block])
+            t = self.box.draft_time + self._step(verify, trace, res)
+            owed += accepted + 1
+            n = max(1, min(int(owed), len(block)))
+            owed -= n
+            res.tpots += [t / n] * n
+            res.verifies += 1
+            i += n
         return res
 
     def run(self, trace: RequestTrace, cached: int = 0) -> RequestResult:

@@ -107,6 +107,40 @@ def run_streams(sim: Simulator, policy: Policy, wl: Workload, streams: int, box:
     )
 
 
+@dataclass(frozen=True)
+class SpeculativeResult:
+    """One sequence with speculative decoding at a stated acceptance."""
+
+    workload: str
+    k: int  # drafts per verify
+    accepted: float  # stated: drafts kept per verify, on average
+    tpot: float  # seconds per emitted token
+    decode_hit: float
+    experts_per_verify: float  # distinct routed experts a verify pass reads, all layers
+
+    @property
+    def decode_tok_s(self) -> float:
+        return 1.0 / self.tpot
+
+
+def run_speculative(sim: Simulator, policy: Policy, wl: Workload, k: int, accepted: float,
+                    box: Box | None = None) -> SpeculativeResult:  # fmt: skip
+    """The workload's first timed request decoding with k drafts a verify and `accepted` of them kept (after the
+    untimed test request)."""
+    box = box or sim.box
+    m = Machine(box, policy, sim.hot_order, sim.experts, seed=sim.locality.seed)
+    m.run(sim.trace(wl, 0))
+    r = m.run_speculative(sim.trace(wl, 1), k, accepted)
+    return SpeculativeResult(
+        wl.name,
+        k,
+        accepted,
+        tpot=float(np.mean(r.tpots)),
+        decode_hit=1 - r.decode_misses / r.decode_accesses if r.decode_accesses else float("nan"),
+        experts_per_verify=r.decode_accesses / r.verifies if r.verifies else 0.0,
+    )
+
+
 def _stream_trace(sim: Simulator, wl: Workload, i: int) -> RequestTrace:
     """Sequence i of a concurrent batch: the first timed request's prompt routing (drawing and running a 32k-token
     prompt's routing costs ~30 s, and the prompts only warm the slots here) followed by its own generated tokens'

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dsflash.sim.box import BASELINE, GB, MEASURED, WORKLOADS, Box, Policy, Workload
-from dsflash.sim.run import Result, Simulator, StreamsResult, run_streams
+from dsflash.sim.run import Result, Simulator, SpeculativeResult, StreamsResult, run_speculative, run_streams
 
 
 @dataclass(frozen=True)
@@ -133,4 +133,38 @@ def concurrency_markdown(rows: list[StreamsResult]) -> str:
         agg = cell(r.aggregate_tok_s, base and base.aggregate_tok_s)
         per = cell(r.per_stream_tok_s, base and base.per_stream_tok_s)
         out.append(f"| {r.workload} | {r.streams} | {agg} | {per} | {r.experts_per_step:.0f} | {r.decode_hit:.1%} |")
+    return "\n".join(out)
+
+
+# drafts per verify (V4.1's block size) at the reference box's measured acceptance (seed.md: 1.2 drafts a pass) and
+# at what better heads give
+SPECULATE = ((5, 1.2), (5, 2.0), (5, 3.0))
+
+
+Speculated = tuple[Result, list[SpeculativeResult]]
+
+
+def speculation(sim: Simulator, workloads: list[Workload], settings=SPECULATE, policy: Policy = BASELINE,
+                progress: Callable[[str], None] = lambda s: None) -> list[Speculated]:  # fmt: skip
+    """Each workload's plain decode and its decode with speculation at each (drafts, accepted) setting."""
+    out = []
+    for wl in workloads:
+        progress(f"speculation: {wl.name}")
+        plain = sim.run(policy, wl)
+        out.append((plain, [run_speculative(sim, policy, wl, k, a) for k, a in settings]))
+    return out
+
+
+def speculation_markdown(rows: list[Speculated]) -> str:
+    """Decode tok/s with speculation against plain decoding, and what a verify reads."""
+    out = ["| workload | drafts / verify | accepted / verify (stated) | decode | vs plain | experts read per verify "
+           "| decode slot hits |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for plain, specs in rows:
+        out.append(
+            f"| {plain.workload} | plain | – | {plain.decode_tok_s:.2f} tok/s | 1.00x | – | {plain.decode_hit:.1%} |"
+        )
+        for r in specs:
+            gain = r.decode_tok_s / plain.decode_tok_s
+            out.append(f"| {r.workload} | {r.k} | {r.accepted:g} | {r.decode_tok_s:.2f} tok/s | {gain:.2f}x | "
+                       f"{r.experts_per_verify:.0f} | {r.decode_hit:.1%} |")  # fmt: skip
     return "\n".join(out)
