@@ -80,3 +80,23 @@ def test_the_draft_loss_reaches_only_the_dspark_stages(tmp_path):
     stages, backbone = view.parameters(draft=True), view.parameters(draft=False)
     assert all(t.grad is None for t in backbone)
     assert sum(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in stages) > 0.9 * len(stages)
+
+
+def test_trainings_sinkhorn_and_stream_mix_are_mhcs_math_values_and_gradients():
+    from dsflash.model import mhc
+    from dsflash.train.model import expand, sinkhorn
+
+    g = torch.Generator().manual_seed(5)
+    c = torch.randn(2, 7, 4, 4, generator=g) * 3
+    w = torch.randn(2, 7, 4, 4, generator=g)
+    grads = []
+    for f in (mhc.sinkhorn, sinkhorn):
+        x = c.clone().requires_grad_()
+        out = f(x, 20, 1e-6)
+        (out * w).sum().backward()
+        grads.append((out.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0])  # the forward is mhc.sinkhorn's ops, bit for bit
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-6)
+    f, res = torch.randn(2, 7, 16, generator=g), torch.randn(2, 7, 4, 16, generator=g)
+    post, comb = torch.rand(2, 7, 4, generator=g), torch.rand(2, 7, 4, 4, generator=g)
+    torch.testing.assert_close(expand(f, res, post, comb), mhc.expand(f, res, post, comb), rtol=1e-6, atol=1e-6)

@@ -6,6 +6,8 @@ substitutions of the same math, each undone on exit:
 - the activation fake-quant points (FP8 window KV, FP4 compressed KV and indexer) pass gradients straight through;
 - weights are used as the checkpoint will store them (FP8 blocks, FP4 experts, bf16, FP8 Engram rows), also with
   straight-through gradients, so what is trained is what is served.
+Two of mHC's pieces take the blocks' hooks for a fused kernel of the same math: Sinkhorn with a hand-written backward
+(its forward is mhc.sinkhorn's ops, bit for bit) and the stream mix as one einsum (equal to float rounding).
 """
 
 from __future__ import annotations
@@ -140,6 +142,44 @@ class TrainTable(nn.Module):
         return stored(self.table, "fp8_rows", self.block)[ids].to(torch.bfloat16)
 
 
+class _Sinkhorn(torch.autograd.Function):
+    """mhc.sinkhorn's forward, op for op; the backward through its normalisations written out (y = c / (sum c + eps)
+    has dc = (dy - sum(dy * y)) / (sum c + eps)), ~4 ops a normalisation instead of autograd's graph of ~10."""
+
+    @staticmethod
+    def forward(ctx, c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        e = torch.exp(c - c.amax(dim=-1, keepdim=True))
+        soft = e / e.sum(dim=-1, keepdim=True)
+        c = soft + eps
+        outs, dens = [], []
+        for k in range(2 * iters - 1):  # columns first, then rows, as mhc.sinkhorn
+            den = c.sum(dim=-1 - (k % 2 == 0), keepdim=True) + eps
+            c = c / den
+            outs.append(c)
+            dens.append(den)
+        ctx.save_for_backward(soft, *outs, *dens)
+        return c
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        soft, *saved = ctx.saved_tensors
+        n = len(saved) // 2
+        for k in reversed(range(n)):
+            g = (g - (g * saved[k]).sum(dim=-1 - (k % 2 == 0), keepdim=True)) / saved[n + k]
+        return soft * (g - (g * soft).sum(dim=-1, keepdim=True)), None, None
+
+
+def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """mhc.sinkhorn (bit-identical forward) with a cheaper backward."""
+    return _Sinkhorn.apply(c, iters, eps)
+
+
+def expand(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """mhc.expand with the stream mix as one batched product (equal to float rounding)."""
+    mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.float())
+    return (post.unsqueeze(-1) * f.unsqueeze(-2) + mixed).type_as(f)
+
+
 class Trainable:
     """The demo model's weights as fp32 leaves, by checkpoint name, and the forward that trains them."""
 
@@ -163,6 +203,9 @@ class Trainable:
                 names = tuple(f"{block_prefix(cfg, spec)}.ffn.experts.{e}.{w}.weight" for w in ("w1", "w3", "w2"))
                 self.experts[(spec.layer_id, e)] = names
                 self.leaves |= {n: tensor_values(cfg, n, seed).requires_grad_(True) for n in names}
+        for m in self.model.modules():
+            if hasattr(m, "fused_expand"):  # every Block, DSpark's stages too
+                m.sinkhorn, m.fused_expand = sinkhorn, expand
         self.dense = {n: p for n, p in self.model.named_parameters() if n in self.specs}
         self.trained = dict(self.dense)
         self.trained |= self.tables | self.leaves
@@ -178,16 +221,23 @@ class Trainable:
         """Every trained tensor by checkpoint name (fp32), for writer.write_checkpoint(values=...)."""
         return {n: t.detach().clone() for n, t in self.trained.items()}
 
-    def forward(self, tokens: torch.Tensor, drafts: Drafts | None = None):
-        """tokens [b, s] from position 0 -> logits [b, s, V], with gradients; with `drafts`, also the DSpark
-        stages' logits [Q, V] and confidence [Q] at its queries, from the backbone's taps (detached: the draft loss
-        trains the stages alone, and the shared embedding and head stay the backbone's)."""
+    def weights(self) -> tuple[dict[str, torch.Tensor], ResidentExperts]:
+        """The weights as the checkpoint stores them (with the leaves' gradients): one call serves every forward of
+        an optimizer step."""
         cfg, block = self.cfg, self.cfg.fp8_block
         params = {n: stored(p, self.specs[n].row.fmt, block) for n, p in self.dense.items()}
         routed = {
             key: tuple(stored(self.leaves[n], "fp4", block) for n in names) for key, names in self.experts.items()
         }
-        experts = ResidentExperts(routed, cfg.swiglu_limit)
+        return params, ResidentExperts(routed, cfg.swiglu_limit)
+
+    def forward(self, tokens: torch.Tensor, drafts: Drafts | None = None, weights=None):
+        """tokens [b, s] from position 0 -> logits [b, s, V], with gradients; with `drafts`, also the DSpark
+        stages' logits [Q, V] and confidence [Q] at its queries, from the backbone's taps (detached: the draft loss
+        trains the stages alone, and the shared embedding and head stay the backbone's). weights: self.weights()
+        of the current values (computed here when not given)."""
+        cfg = self.cfg
+        params, experts = weights or self.weights()
         state = DecodeState.allocate(cfg, tokens.shape[1], tokens.shape[0])
         model = self.model
         model.forward = types.MethodType(Transformer.forward.__wrapped__, model)  # without inference_mode
@@ -287,19 +337,23 @@ def dense_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: 
     """attention.sparse_attention's math as one fused masked product: softmax over the selected rows, sink in the
     denominator only. q [b, s, h, d], kv [b, n, d], idx [b, s, k] (-1 = none).
 
-    The sink is one more key: a zero row (it adds nothing to the output) whose logit the mask sets to the head's
-    sink, so that scaled_dot_product_attention's fused kernel never writes the [b, s, h, n] probabilities."""
-    b, s, h, _ = q.shape
+    The sink is one more key, always selected, that adds nothing to the output: keys and values get one more
+    dimension, 0 on every row but the sink's key (1, its value is all zero), and each head's query carries its
+    sink logit / scale there. Boolean mask and equal widths let scaled_dot_product_attention take its fused
+    (flash) CPU kernel, forward and backward, without a [b, h, s, n] probability tensor."""
+    b, s, h, d = q.shape
     n = kv.shape[1]
     hits = torch.zeros(b, s, n + 1, dtype=torch.bool, device=q.device)
-    hits.scatter_(-1, torch.where(idx >= 0, idx.long(), n), True)
-    mask = torch.zeros(b, 1, s, n + 1, device=q.device).masked_fill_(~hits.unsqueeze(1), -torch.inf)
-    mask = mask.expand(b, h, s, n + 1).clone()
-    mask[..., n] = sink.float().view(1, h, 1)
-    keys = torch.cat([kv.float(), kv.new_zeros(b, 1, kv.shape[-1], dtype=torch.float)], 1).unsqueeze(1)
-    o = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys, keys, attn_mask=mask, scale=scale,
-                                       enable_gqa=True)  # fmt: skip
-    return o.transpose(1, 2).to(q.dtype)
+    hits.scatter_(-1, torch.where(idx >= 0, idx.long() + 1, 0), True)
+    hits[..., 0] = True
+    rows = F.pad(kv.float(), (0, 1))  # [b, n, d + 1], the extra dimension 0
+    values = torch.cat([rows.new_zeros(b, 1, d + 1), rows], 1)
+    keys = torch.cat([F.pad(rows.new_ones(b, 1, 1), (d, 0)), rows], 1)
+    qs = torch.cat([q.float(), (sink.float() / scale).view(1, 1, h, 1).expand(b, s, h, 1)], -1)
+    o = F.scaled_dot_product_attention(qs.transpose(1, 2), keys.unsqueeze(1).expand(b, h, n + 1, d + 1),
+                                       values.unsqueeze(1).expand(b, h, n + 1, d + 1), attn_mask=hits.unsqueeze(1),
+                                       scale=scale)  # fmt: skip
+    return o[..., :d].transpose(1, 2).to(q.dtype)
 
 
 def _ste_qdq(qdq):
