@@ -4,9 +4,10 @@ acceptance, the cost of a verify of K+1 positions against one decode step, and t
 Part 1, per model with a DSpark head (the demo model, the tiny fixture): two engine runners at TP 1 over the same
 checkpoint, one plain and one speculative; the same greedy prompts run plain, with speculation and its guard, with
 the guard but without the confidence head's cut, and held on (the guard and the cut bypassed: what a head that does
-not pay costs without them). Two prompt sets: random ids with EOS ignored (drafts the head cannot guess: the
-guard's case) and, on the demo, held-out prompts of its own task families, each answer ending at EOS (the case the
-head was trained for). Decode tokens/s counts from the first token to the last of each request. Costs: a plain
+not pay costs without them). Prompt sets: random ids with EOS ignored (drafts the head cannot guess: the guard's
+case) and, on the demo, held-out prompts of its own task families, each answer ending at EOS (the case the head was
+trained for), then again with the head made useless (its drafts shifted by one id, its confidence kept: what the
+guard alone must bound). Decode tokens/s counts from the first token to the last of each request. Costs: a plain
 step, a speculative runner's plain step (which also seeds the head), a draft of K, a verify of K+1 positions with
 its accept.
 
@@ -60,6 +61,21 @@ class Uncut(speculative.Costs):
 
     def cut(self, k, confidence):
         return k
+
+
+class Useless:
+    """A speculative runner whose head is made useless: every drafted token shifted by one id (never the target's
+    choice), the confidence head's scores left as they were (so the cut does not see it: the guard must)."""
+
+    def __init__(self, runner, vocab: int):
+        self.runner, self.vocab = runner, vocab
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def draft(self, token, pos, k, sampling):
+        out = self.runner.draft(token, pos, k, sampling)
+        return None if out is None else ([(t + 1) % self.vocab for t in out[0]], *out[1:])
 
 
 def decode_time(engine, prompt: list[int], tokens: int, ignore_eos: bool) -> tuple[int, float]:
@@ -168,6 +184,11 @@ def with_head(name: str, model_dir: Path, args, families: bool) -> None:
         for label, prompts in sets.items():
             eos = cfg.eos_token_id if label == "task families" else None
             row = {"model": name, "prompts": label, **compare(plain_runner, spec_runner, prompts, args.tokens, eos)}
+            print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if families:  # the same prompts with a head made useless: its drafts shifted, its confidence kept
+            useless = Useless(spec_runner, cfg.vocab_size)
+            got = compare(plain_runner, useless, sets["task families"], args.tokens, cfg.eos_token_id)
+            row = {"model": name, "prompts": "task families, useless head", **got}
             print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
     finally:
         plain_runner.close()

@@ -327,6 +327,56 @@ def test_tp2_speculation_is_plain_decoding(tmp_path):
     assert got == want and stats["spec_verifies"] >= 4
 
 
+GRID = [(name, tp) for name in ("tiny_a", "tiny_b", "demo") for tp in (1, 2)]
+
+
+@pytest.mark.parametrize(("name", "tp"), GRID)
+def test_greedy_speculation_over_twenty_prompts_of_64_tokens(name, tp, tmp_path):
+    """Issue 26's grid: on the engine as served (TP 1 and 2 ranks), 20 prompts each generating 64 tokens, every
+    step drafting: the same tokens as plain decoding. One cell runs by default; the whole grid under DSFLASH_SLOW=1
+    (minutes at TP 2 on two cores)."""
+    import os
+    from pathlib import Path
+
+    import dsflash
+    from dsflash.runtime.tp.launch import start_engine
+    from tests.model.conftest import ROOT
+
+    if (name, tp) != ("tiny_a", 1) and not os.environ.get("DSFLASH_SLOW"):
+        pytest.skip("set DSFLASH_SLOW=1 (the whole grid: about 10 min on two cores)")
+    if name == "demo":
+        from dsflash.train.data import FAMILIES, Generator
+
+        files = open_dir(Path(dsflash.__file__).parent / "data" / "demo-v4.1")
+        gen = Generator(11, held_out=True)
+        prompts = [
+            files.tokenizer.encode(gen.sample(FAMILIES[i % len(FAMILIES)], thinking=i % 2 == 0).prompt())
+            for i in range(20)
+        ]
+    else:
+        files = open_dir(ROOT / name / "model")
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(3, files.ckpt.config.vocab_size, int(rng.integers(4, 40))).tolist() for _ in range(20)]
+    max_len = max(len(p) for p in prompts) + 64 + 8
+    spec = EngineSpec(tp=tp, expert_format="bfp8_b", cache_dir=str(tmp_path), speculative="dspark", prefix_cache=False)
+    runner = start_engine(files.ckpt, files.token_map, max_len, spec)
+    try:
+        plain = Engine(runner, eos_ids=set()).start()
+        want = [[e.token for e in _run(plain, p, max_tokens=64)] for p in prompts]
+        plain.close()
+        fast = Engine(runner, eos_ids=set(), num_speculative_tokens=0)
+        fast.costs = AlwaysDraft()
+        fast.start()
+        got = [[e.token for e in _run(fast, p, max_tokens=64)] for p in prompts]
+        stats = fast.speculative_stats()
+        fast.close()
+    finally:
+        runner.close()
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert a == b, (name, tp, i)
+    assert stats["spec_verifies"] >= 20 * 64 // 4 and stats["spec_accepted_tokens"] > 0
+
+
 def test_counters_reach_metrics_and_the_bench_reads_them(monkeypatch):
     """The engine's speculation counters are /metrics gauges (dsflash:spec_*), and dsflash bench parses them."""
     from dsflash.bench import client

@@ -223,6 +223,50 @@ def test_a_batched_steps_experts_give_each_token_its_own_calls_bits(kernels, fmt
         dev.close()
 
 
+def test_a_few_queries_attention_and_index_scores_are_each_query_alone(kernels):
+    """Sparse attention and the indexer's scores for a few queries (native.sparse_attention / index_scores: a decode
+    step's, a verify's positions) give each query the bits it gets alone, whatever rows or keys lie beside its
+    selection and wherever its selection sits (leading or trailing unselected entries), with 1 to 64 heads; both
+    are the model's math to fp32 rounding; so are a prefill's many queries, chunked."""
+    from dsflash.model.attention import sparse_attention
+
+    gen = torch.Generator().manual_seed(5)
+    for h, n, d in ((1, 30, 64), (2, 30, 64), (4, 200, 512), (64, 40, 128)):
+        q, kv, sink = torch.randn(1, 4, h, d, generator=gen), torch.randn(1, n + 3, d, generator=gen), torch.randn(h)
+        idx = torch.arange(n).view(1, 1, n).repeat(1, 4, 1)
+        for j in range(4):
+            idx[0, j, n - 2 + j :] = -1  # later queries see more rows
+        idx[0, 0, :5] = -1
+        got = native.sparse_attention(q, kv, sink, idx, 0.125)
+        if kernels == "none":
+            assert got is None
+            continue
+        torch.testing.assert_close(got, sparse_attention(q, kv, sink, idx, 0.125), atol=1e-5, rtol=1e-5)
+        moved = torch.cat([torch.randn(1, 7, d, generator=gen), kv], dim=1)  # the rows elsewhere, more unselected
+        idx2 = torch.cat([torch.full((1, 4, 3), -1), torch.where(idx >= 0, idx + 7, -1)], dim=-1)
+        assert torch.equal(native.sparse_attention(q, moved, sink, idx2, 0.125), got)
+        for j in range(4):
+            alone = native.sparse_attention(q[:, j : j + 1], kv[:, : n + j], sink, idx[:, j : j + 1], 0.125)
+            assert torch.equal(alone, got[:, j : j + 1]), (h, j)
+        keys, w = torch.randn(1, 50, 32, generator=gen), torch.randn(1, 4, h, generator=gen)
+        qq = torch.randn(1, 4, h, 32, generator=gen)
+        scores = native.index_scores(qq, keys, w)
+        want = (torch.einsum("bshd,btd->bsht", qq, keys).relu() * w.unsqueeze(-1)).sum(2)
+        torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-5)
+        for j in range(4):  # a query alone over the keys visible to it
+            alone = native.index_scores(qq[:, j : j + 1], keys[:, : 20 + j], w[:, j : j + 1])
+            assert torch.equal(alone[:, 0], scores[:, j, : 20 + j])
+    if kernels != "none":  # more queries than one call takes (a prefill's): each still its own bits
+        many = torch.randn(1, native.ATTN_CHUNK + 5, 2, 64, generator=gen)
+        kv, sink = torch.randn(1, 40, 64, generator=gen), torch.randn(2)
+        wide = torch.randint(-1, 40, (1, many.shape[1], 24), generator=gen)
+        got = native.sparse_attention(many, kv, sink, wide, 0.125)
+        torch.testing.assert_close(got, sparse_attention(many, kv, sink, wide, 0.125), atol=1e-5, rtol=1e-5)
+        for j in (0, native.ATTN_CHUNK - 1, native.ATTN_CHUNK, many.shape[1] - 1):
+            assert torch.equal(native.sparse_attention(many[:, j : j + 1], kv, sink, wide[:, j : j + 1], 0.125),
+                               got[:, j : j + 1])  # fmt: skip
+
+
 def test_grouped_fp8_decode_is_each_group_alone(kernels):
     """The block-diagonal decode (wo_a's groups in one call) gives each group the bits of its own GEMV, for groups
     whose rows straddle the kernel's 8-row units and the scale blocks; more rows fall back to group by group."""

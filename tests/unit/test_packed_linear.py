@@ -72,16 +72,18 @@ def test_fused_product_is_the_expansion_times_matmul(kernels, weights):
     exactly where the build has no vector path."""
     ready = kernels in ("native", "avx2")
     assert native.f32_packed_ready() == ready
+    gen = torch.Generator().manual_seed(11)  # seeded: a draw is a fixed test
     for fmt, packed, scale, block, shape, W in weights:
         for m in TOKENS:
-            x = torch.randn(m, shape[1])
+            x = torch.randn(m, shape[1], generator=gen)
             y = fused(fmt, packed, scale, block, shape, x)
             if not ready:
                 assert y is None
                 continue
             want = (x.double() @ W.double().T).float()
             torch.testing.assert_close(y, want, atol=2e-6, rtol=1e-5)
-            torch.testing.assert_close(x @ W.T, want, atol=2e-6, rtol=1e-5)  # torch's own sum order: as close
+            # torch's own sum order is of the same grade (its worst output lands a little past 2e-6 on some draws)
+            torch.testing.assert_close(x @ W.T, want, atol=4e-6, rtol=1e-5)
 
 
 def test_fused_bits_do_not_depend_on_rows_tokens_or_threads(kernels, weights):

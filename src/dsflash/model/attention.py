@@ -175,6 +175,9 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, spec.ratio)
         if spec.is_index_source:
             self.indexer = Indexer(cfg, spec, tp)
+        # a runtime's kernel of sparse_attention (same math, each query on its own: a query's bits then do not
+        # depend on the queries beside it), returning None where it does not apply; None: torch's
+        self.fused_attention = None
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """x [b, s, d] -> [b, s, d] (a BatchStep: x [1, B, d], token i of sequence step.steps[i])"""
@@ -187,8 +190,12 @@ class Attention(nn.Module):
         if self.spec.ratio:
             ckv, cidx = self.compressed_rows(x, qr, step, offset=kv.shape[1])
             kv, idx = torch.cat([kv, ckv], dim=1), torch.cat([idx, cidx], dim=-1)
-        o = sparse_attention(q, kv, self.attn_sink, idx, self.scale)
+        o = self.attend(q, kv, idx)
         return self.output(self.rope.rotate(o, cis, inverse=True))
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        o = self.fused_attention(q, kv, self.attn_sink, idx, self.scale) if self.fused_attention else None
+        return sparse_attention(q, kv, self.attn_sink, idx, self.scale) if o is None else o
 
     def forward_batch(self, x: torch.Tensor, batch: BatchStep) -> torch.Tensor:
         """x [1, B, d]: the projections over all B tokens at once, the attention of each over its own state."""
@@ -207,7 +214,7 @@ class Attention(nn.Module):
                 ckv, cidx = self.compressed_rows(x[:, i : i + 1], qr[:, i : i + 1], step, offset=kv.shape[1],
                                                  proj=(_token(comp, i), _token(index, i)))  # fmt: skip
                 kv, idx = torch.cat([kv, ckv], dim=1), torch.cat([idx, cidx], dim=-1)
-            outs.append(sparse_attention(q[:, i : i + 1], kv, self.attn_sink, idx, self.scale))
+            outs.append(self.attend(q[:, i : i + 1], kv, idx))
         return self.output(self.rope.rotate(torch.cat(outs, dim=1), cis, inverse=True))
 
     def queries(self, x: torch.Tensor, cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -100,6 +100,9 @@ class Indexer(nn.Module):
         if spec.is_kv_source:
             self.wk = Linear(cfg.head_dim, cfg.index_head_dim)
             self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps)
+        # a runtime's kernel of the scores' sum over heads (q, keys, w) -> [b, s, t], each query on its own, or None
+        # where it does not apply; None: torch's
+        self.fused_scores = None
 
     def write_keys(self, latent: torch.Tensor, group0: int | torch.Tensor, rope: Rope, st: LayerState, qat: bool):
         """Index keys of new latents [b, n, hd] (pre-RoPE), rotated at their group's first token (group0: an int,
@@ -124,8 +127,10 @@ class Indexer(nn.Module):
         if qat:
             q = fp4.qdq(q, 32)
         w = w * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        s = torch.einsum("bshd,btd->bsht", q.float(), keys.float())
-        s = (s.relu_() * w.float().unsqueeze(-1)).sum(dim=2)
+        s = self.fused_scores(q, keys, w) if self.fused_scores is not None else None
+        if s is None:
+            s = torch.einsum("bshd,btd->bsht", q.float(), keys.float())
+            s = (s.relu_() * w.float().unsqueeze(-1)).sum(dim=2)
         if self.split:
             s = self.tp.all_reduce(s)
         visible = (positions + 1) // self.spec.ratio  # [s] compressed entries complete at each query

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from dsflash.model import mhc
+from dsflash.model.attention import Attention
 from dsflash.model.block import Block
+from dsflash.model.compressor import Indexer
 from dsflash.model.engram import Engram
 from dsflash.model.layers import RMSNorm
 from dsflash.model.moe import Gate, SharedExpert
@@ -27,7 +29,8 @@ def fill(model: torch.nn.Module, gpu_sinkhorn=None) -> None:
     the torch version where that is unavailable: same math, a fraction of the launches (it was about a quarter of a
     small model's decode step). On the CPU also: decode's mixing weights (mhc.mixes), the collapse with the norm
     after it, the expansion, the shared expert's FFN, every RMSNorm, the MoE router, the rotary embeddings and
-    Engram's gated write, one C call each."""
+    Engram's gated write, one C call each; and sparse attention and the indexer's scores, each query on its own
+    (a query's bits then do not depend on the queries beside it: a verify's positions get the plain steps')."""
     on_gpu = gpu_sinkhorn is not None
     if on_gpu:
         kernel = gpu_sinkhorn
@@ -53,6 +56,10 @@ def fill(model: torch.nn.Module, gpu_sinkhorn=None) -> None:
     for rope in getattr(model, "ropes", {}).values():
         rope.fused = native.rope_rotate
     for m in model.modules():
+        if isinstance(m, Attention):
+            m.fused_attention = native.sparse_attention
+        elif isinstance(m, Indexer):
+            m.fused_scores = native.index_scores
         if isinstance(m, Block):
             m.fused_mixes = mixes
             m.fused_collapse_norm = native.hc_collapse_norm

@@ -30,7 +30,8 @@ _FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp")
 GENERIC_FLAGS = ("-O2", "-shared", "-fPIC", "-std=c11", "-fopenmp")  # no AVX-512: the portable loops
 # the AVX2 + FMA + F16C loops (csrc/simd.h), which a CPU with AVX-512 would otherwise never build: tests force them
 AVX2_FLAGS = ("-O3", "-march=haswell", "-mtune=generic", "-shared", "-fPIC", "-std=c11", "-fopenmp")
-SOURCES, HEADERS = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c", "mhc_cpu.c", "packed_cpu.c"), ("simd.h",)
+SOURCES = ("bfp_cpu.c", "dense_cpu.c", "amx_cpu.c", "mhc_cpu.c", "packed_cpu.c", "attn_cpu.c")
+HEADERS = ("simd.h",)
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None  # False: tried and unavailable
 
@@ -106,6 +107,8 @@ def build(flags: tuple[str, ...] = _FLAGS) -> ctypes.CDLL | None:
     lib.moe_route.argtypes = [p, ctypes.c_int64, i, p, p, i, f, i, i, i, f, p, p]
     lib.rope_rotate.argtypes = [p, ctypes.c_int64, i, i, p, ctypes.c_int64, ctypes.c_int64, i, p]
     lib.engram_gate.argtypes = [p, p, ctypes.c_int64, i, i, p, p, f, f, p]
+    lib.sparse_attn.argtypes = [p, i, i, i, p, p, i, p, f, p, p]
+    lib.index_scores.argtypes = [p, i, i, i, p, ctypes.c_int64, p, p]
     return lib
 
 
@@ -319,6 +322,48 @@ def bf16_gemv_rows(w: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torc
     y = torch.empty(idx.numel(), dtype=torch.float32)
     k.bf16_gemv_rows(w.data_ptr(), w.shape[1], idx.data_ptr(), idx.numel(), x.data_ptr(), y.data_ptr())
     return y
+
+
+# queries a sparse_attn call takes: its scratch holds their logits (a chunk's heads x selected rows each)
+ATTN_CHUNK = 64
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor, scale: float):
+    """model.attention.sparse_attention with each query computed on its own over its selected rows in selection
+    order (attn_cpu.c): a query's bits then do not depend on how many queries run beside it, so a decode step, a
+    verify's position and a prefill's agree. q [b, s, h, d], kv [b, n, d], idx [b, s, k] -> [b, s, h, d] in q's
+    dtype. None off the CPU or without kernels."""
+    kern = lib()
+    b, s, h, d = q.shape
+    if kern is None or q.device.type != "cpu":
+        return None
+    out = torch.empty(b, s, h, d, dtype=torch.float32)
+    k = idx.shape[-1]
+    work = scratch((min(s, ATTN_CHUNK) * h * max(1, k),), torch.float32)
+    sk = sink.float().contiguous()
+    for i in range(b):
+        qi, kvi = q[i].float().contiguous(), kv[i].float().contiguous()
+        ix = idx[i].to(torch.int64).contiguous()
+        for j in range(0, s, ATTN_CHUNK):
+            n = min(ATTN_CHUNK, s - j)
+            kern.sparse_attn(qi[j].data_ptr(), n, h, d, kvi.data_ptr(), ix[j].data_ptr(), k, sk.data_ptr(), scale,
+                             out[i, j].data_ptr(), work.data_ptr())  # fmt: skip
+    return out.to(q.dtype)
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """The indexer's scores sum_h w_h relu(q_h . k_t), each query on its own (attn_cpu.c): q [b, s, h, d], keys
+    [b, t, d], w [b, s, h] -> fp32 [b, s, t]. None off the CPU or without kernels."""
+    kern = lib()
+    b, s, h, d = q.shape
+    if kern is None or q.device.type != "cpu":
+        return None
+    t = keys.shape[1]
+    out = torch.empty(b, s, t, dtype=torch.float32)
+    for i in range(b):
+        qi, ki, wi = q[i].float().contiguous(), keys[i].float().contiguous(), w[i].float().contiguous()
+        kern.index_scores(qi.data_ptr(), s, h, d, ki.data_ptr(), t, wi.data_ptr(), out[i].data_ptr())
+    return out
 
 
 def top_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
