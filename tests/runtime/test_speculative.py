@@ -103,8 +103,10 @@ def test_greedy_speculation_is_plain_decoding(model):
         assert [e.token for e in b] == plain_tokens[: plain_tokens.index(stop) + 1]
         assert b[-1].finish_reason == "stop" and b[-1].stop_token
         stats = spec.speculative_stats()
-        assert stats["spec_verifies"] >= 8 and stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
-        assert stats["spec_accepted_tokens"] > 0
+        # every step drafted: 11 + 6 decode tokens at K + 1 <= 5 a verify take at least 3 + 2 verifies
+        assert stats["spec_verifies"] >= 5 and stats["spec_accepted_tokens"] > 0
+        if name != "demo":  # the random heads get some drafts wrong; the demo's can guess a whole identity answer
+            assert stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     finally:
         plain.close()
         spec.close()

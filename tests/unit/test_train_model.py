@@ -4,6 +4,7 @@ DSpark head's teacher-forced drafts, through the official loader, past the slidi
 from __future__ import annotations
 
 import copy
+import random
 
 import torch
 
@@ -80,6 +81,31 @@ def test_the_draft_loss_reaches_only_the_dspark_stages(tmp_path):
     stages, backbone = view.parameters(draft=True), view.parameters(draft=False)
     assert all(t.grad is None for t in backbone)
     assert sum(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in stages) > 0.9 * len(stages)
+
+
+def test_the_head_phase_trains_the_stages_on_their_current_values(tmp_path):
+    """fit.train_head: every step's forward sees the stages' values as the optimizer left them (and the frozen
+    backbone's), and the backbone stays bit-identical and trainable afterwards."""
+    view, cfg, _ = trained_view(tmp_path)
+    g = torch.Generator().manual_seed(6)
+    batch = torch.randint(10, cfg.vocab_size, (2, 24), generator=g), torch.ones(2, 24, dtype=torch.bool)
+    backbone = [t.detach().clone() for t in view.parameters(draft=False)]
+    seen, forward = [], view.forward
+
+    def spy(tokens, drafts=None, weights=None):
+        params = (weights or view.weights())[0]
+        now = view.weights()[0]
+        seen.append(all(torch.equal(params[n], now[n]) for n in now))
+        seen.append([t.detach().clone() for t in view.parameters(draft=True)][:3])
+        return forward(tokens, drafts, weights)
+
+    view.forward = spy
+    recipe = dict(fit.RECIPE, head_steps=3, dspark_anchors=4)
+    fit.train_head(view, lambda: batch, cfg, recipe, random.Random(0), 0.0, log=lambda _: None)
+    assert seen[0::2] == [True, True, True]
+    assert not all(torch.equal(a, b) for a, b in zip(seen[1], seen[5]))  # the stages moved between steps
+    assert all(torch.equal(a, b) for a, b in zip(backbone, view.parameters(draft=False)))
+    assert all(t.requires_grad for t in view.parameters())
 
 
 def test_trainings_sinkhorn_and_stream_mix_are_mhcs_math_values_and_gradients():
