@@ -133,18 +133,16 @@ def _streams(text: str) -> tuple[int, ...]:
 def _speculate(text: str) -> tuple[tuple[int, float], ...]:
     from dsflash.errors import ConfigError
 
-    out = []
-    for part in text.split(","):
+    def pair(part: str) -> tuple[int, float] | None:
         k, _, a = part.partition(":")
         try:
-            out.append((int(k), float(a)))
+            k, a = int(k), float(a)
         except ValueError:
-            out = []
-            break
-        if out[-1][0] < 1 or not 0 <= out[-1][1] <= out[-1][0]:
-            out = []
-            break
-    if not out:
+            return None
+        return (k, a) if k >= 1 and 0 <= a <= k else None
+
+    out = [pair(part) for part in text.split(",")]
+    if not out or None in out:
         raise ConfigError(f"--speculate takes K:A pairs (drafts, 0 <= accepted <= drafts) separated by commas "
                           f"(5:1.2,5:2); got {text!r}")  # fmt: skip
     return tuple(out)

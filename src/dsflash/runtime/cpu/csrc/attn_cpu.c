@@ -40,6 +40,17 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* out[j] = s[j] + dot's scalar tail of a[j] . b over [i, n): dot4's end, as dot ends */
+static inline void tail4(const float s[4], const float *a0, const float *a1, const float *a2, const float *a3,
+                         const float *b, int i, int n, float *out) {
+    const float *a[4] = {a0, a1, a2, a3};
+    for (int j = 0; j < 4; j++) {
+        float v = s[j];
+        for (int k = i; k < n; k++) v += a[j][k] * b[k];
+        out[j] = v;
+    }
+}
+
 /* dot(a[j], b, n) for four vectors a[j] at once: four independent chains over the same b, each vector's operations
  * exactly dot's (the same bits) */
 static inline void dot4(const float *a0, const float *a1, const float *a2, const float *a3, const float *b, int n,
@@ -54,13 +65,9 @@ static inline void dot4(const float *a0, const float *a1, const float *a2, const
         c2 = _mm512_fmadd_ps(_mm512_loadu_ps(a2 + i), bv, c2);
         c3 = _mm512_fmadd_ps(_mm512_loadu_ps(a3 + i), bv, c3);
     }
-    float s[4] = {_mm512_reduce_add_ps(c0), _mm512_reduce_add_ps(c1), _mm512_reduce_add_ps(c2),
-                  _mm512_reduce_add_ps(c3)};
-    const float *a[4] = {a0, a1, a2, a3};
-    for (int j = 0; j < 4; j++) {
-        for (int k = i; k < n; k++) s[j] += a[j][k] * b[k];
-        out[j] = s[j];
-    }
+    const float s[4] = {_mm512_reduce_add_ps(c0), _mm512_reduce_add_ps(c1), _mm512_reduce_add_ps(c2),
+                        _mm512_reduce_add_ps(c3)};
+    tail4(s, a0, a1, a2, a3, b, i, n, out);
 #elif defined(DSF_AVX2)
     __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
     int i = 0;
@@ -71,12 +78,8 @@ static inline void dot4(const float *a0, const float *a1, const float *a2, const
         c2 = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + i), bv, c2);
         c3 = _mm256_fmadd_ps(_mm256_loadu_ps(a3 + i), bv, c3);
     }
-    float s[4] = {hsum8(c0), hsum8(c1), hsum8(c2), hsum8(c3)};
-    const float *a[4] = {a0, a1, a2, a3};
-    for (int j = 0; j < 4; j++) {
-        for (int k = i; k < n; k++) s[j] += a[j][k] * b[k];
-        out[j] = s[j];
-    }
+    const float s[4] = {hsum8(c0), hsum8(c1), hsum8(c2), hsum8(c3)};
+    tail4(s, a0, a1, a2, a3, b, i, n, out);
 #else
     out[0] = dot(a0, b, n), out[1] = dot(a1, b, n), out[2] = dot(a2, b, n), out[3] = dot(a3, b, n);
 #endif
