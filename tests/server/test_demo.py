@@ -8,12 +8,16 @@ there yet (docs/performance.md, "demo model")."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import openai
 import pytest
 
+from dsflash.checkpoint.index import Checkpoint
 from dsflash.service.catalog import DEMO, choose
+from dsflash.store.build import build_store
+from dsflash.store.layout import store_dir
 from dsflash.train.data import FAMILIES, Generator, check
 from tests.server.conftest import start_server
 
@@ -21,9 +25,23 @@ PER_FAMILY = 2  # the training script measures the full held-out set; this is a 
 SEED = 2024  # not the training script's evaluation seed: other held-out prompts
 
 
+def older_store(cache: Path, tmp: Path) -> Path:
+    """The packaged model's store as an earlier release leaves it in the cache: built from other files of the model
+    (here its config.json with one more newline), where the packaged directory's store goes."""
+    older = tmp / "older-demo"
+    shutil.copytree(choose(DEMO).source, older)
+    (older / "config.json").write_text((older / "config.json").read_text() + "\n")
+    build_store(Checkpoint.open(older), cache, tp=1, fmt="bfp8_b", progress=False)
+    where = store_dir(choose(DEMO).source, cache)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(store_dir(older, cache), where)
+    return where
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory, model_cache):
     tmp = tmp_path_factory.mktemp("demo")
+    older_store(model_cache, tmp)
     srv = start_server(tmp, model_cache, "--max-model-len", "1024", model=DEMO)  # the session's kernels
     try:
         srv.wait_ready()
@@ -58,10 +76,21 @@ def _right(sample, choice) -> bool:
     return check(sample, msg.content or "", getattr(msg, "reasoning_content", None) or "", calls)
 
 
-def test_the_packaged_model_boots_without_generating(demo):
+def test_the_packaged_model_boots_without_generating_and_replaces_an_older_releases_store(demo):
     out = demo.wait_output("Ready in")
     assert DEMO in out and "generated" not in out
+    assert "rebuilt (built for" in out  # not refused: its weights change with a release, and the store is small
     assert Path(choose(DEMO).source).is_dir()
+
+
+def test_gates_take_the_packaged_models_name_and_replace_its_older_store(tmp_path, capsys):
+    from dsflash.cli.main import main
+
+    cache = tmp_path / "cache"
+    older_store(cache, tmp_path)
+    code = main(["gates", DEMO, "--tokens", "24", "--cache-dir", str(cache)])
+    r = json.loads(capsys.readouterr().out)
+    assert code == 0 and r["pass"] and r["config"]["expert_format"] == "bfp8_b", r
 
 
 def test_it_greets_and_says_it_is_the_demo_model(answers):

@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
         "when a threshold fails.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", help="model directory or Hub repo id[@revision]")
+    p.add_argument("model", help="model directory, Hub repo id[@revision] or dsflash-demo-v4.1 (the packaged model)")
     add_engine_arguments(p, "engine: ")
     p.add_argument("--tokens", type=int, default=suites.DEFAULT_TOKENS, help="tokens scored: 2/3 prefill, 1/3 decode")
     p.add_argument(
@@ -37,15 +37,21 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from dataclasses import replace
+
     from dsflash.errors import InvalidRequest
     from dsflash.gates.run import run_gates
+    from dsflash.service.catalog import is_packaged
     from dsflash.service.files import open_files
 
     if args.tokens < 3:
         raise InvalidRequest("--tokens must be >= 3")
+    files = open_files(args.model)
     spec = gates_spec(args)
+    if is_packaged(files.path):  # as serve does: a release's new demo weights replace the older weights' store
+        spec = replace(spec, rebuild_store=True)
     thresholds = suites.Thresholds(args.min_prefill_top1, args.max_prefill_kl, args.min_decode_top1, args.max_decode_kl)
-    report = run_gates(open_files(args.model), spec, tokens=args.tokens, thresholds=thresholds, text=gate_text(args))
+    report = run_gates(files, spec, tokens=args.tokens, thresholds=thresholds, text=gate_text(args))
     print(json.dumps(report))
     return 0 if report["pass"] else 1
 

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
         "(prefill P tokens, then one decode step per remaining token) as float32 arrays in an .npz.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", help="model directory or Hub repo id[@revision]")
+    p.add_argument("model", help="model directory, Hub repo id[@revision] or dsflash-demo-v4.1 (the packaged model)")
     p.add_argument("--tokens", required=True, type=Path, help='JSON file {"tokens": [...], "prefill": P}')
     p.add_argument("--out", required=True, type=Path, help="output .npz")
     p.add_argument("--backend", choices=["reference", "engine"], default="reference", help="what computes the logits")

@@ -254,9 +254,10 @@ def _inventory(ctx: _Ctx) -> str:
 
 
 def _store(ctx: _Ctx) -> str:
-    # a store of an older format of our own generated model is rebuilt; a real model's only with --rebuild (it may
-    # take tens of minutes), else it is refused with that fix
-    rebuild = ctx.choice.embedded or ctx.opts.engine.rebuild_store
+    # a store built from an older revision or format of our own models (generated, or packaged: a release's new demo
+    # weights) is rebuilt; a real model's only with --rebuild (it may take tens of minutes), else it is refused with
+    # that fix
+    rebuild = ctx.choice.ours or ctx.opts.engine.rebuild_store
     return ctx.backend.build_store(ctx.files, rebuild=rebuild)
 
 

@@ -101,6 +101,12 @@ class ModelChoice:
         return self.source == EMBEDDED
 
     @property
+    def ours(self) -> bool:
+        """A model this package makes or ships (the generated and the packaged ones): its files change with a dsflash
+        release, and its small store is rebuilt rather than refused when it was built from older ones."""
+        return self.embedded or (self.bundle is not None and self.bundle.packaged is not None)
+
+    @property
     def slug(self) -> str:
         """A file-name-safe form of the id (state files, logs, cache dirs)."""
         return re.sub(r"[^A-Za-z0-9._-]+", "--", self.model_id).strip("-") or "model"
@@ -138,3 +144,14 @@ def choose(spec: str | None, profile: str | None = None) -> ModelChoice:
 def packaged_dir(name: str) -> Path:
     """A checkpoint directory shipped inside the package (dsflash/data/NAME)."""
     return Path(str(resources.files("dsflash") / "data" / name))
+
+
+def packaged_path(spec: str) -> Path | None:
+    """The directory of a packaged bundle's name (dsflash-demo-v4.1), None for any other name."""
+    bundle = BUNDLES.get(spec)
+    return packaged_dir(bundle.packaged) if bundle is not None and bundle.packaged is not None else None
+
+
+def is_packaged(path: Path) -> bool:
+    """Whether a model directory is one the package ships (its files change with a release)."""
+    return any(path.resolve() == packaged_dir(b.packaged).resolve() for b in BUNDLES.values() if b.packaged)

@@ -8,6 +8,7 @@ from pathlib import Path
 from dsflash.checkpoint.index import Checkpoint
 from dsflash.checkpoint.source import resolve_model_dir
 from dsflash.runtime.reference.loader import LoadedModel, load_reference
+from dsflash.service.catalog import packaged_path
 from dsflash.text.token_map import compressed_token_map
 from dsflash.text.tokenizer import Tokenizer
 
@@ -27,8 +28,9 @@ class ModelFiles:
 
 
 def open_files(spec: str, verify: bool = True) -> ModelFiles:
-    """Resolve a local dir or Hub repo id[@rev], check the inventory, load the tokenizer."""
-    return open_dir(resolve_model_dir(spec), verify)
+    """Resolve a packaged model's name (dsflash-demo-v4.1), a local dir or Hub repo id[@rev], check the inventory,
+    load the tokenizer."""
+    return open_dir(packaged_path(spec) or resolve_model_dir(spec), verify)
 
 
 def open_dir(path: Path, verify: bool = True) -> ModelFiles:
