@@ -10,7 +10,7 @@ from dsflash.config import ModelConfig
 from dsflash.service.catalog import BUNDLES, DEMO, packaged_dir
 from dsflash.text.chat import parse_completion
 from dsflash.text.tokenizer import V41, Tokenizer
-from dsflash.train import data
+from dsflash.train import data, vocab
 from dsflash.train.fit import target_mask
 from dsflash.train.model import demo_config, stored
 
@@ -105,3 +105,56 @@ def test_trainings_fused_attention_is_the_serving_kernels_math_values_and_gradie
     out = dense_attention(q, torch.randn(1, n, d), sink, torch.full((1, 1, k), -1, dtype=torch.int32), 0.25)
     out.sum().backward()
     assert out.abs().max() == 0 and torch.isfinite(q.grad).all() and torch.isfinite(sink.grad).all()
+
+
+def test_arithmetic_columns_end_at_the_result_and_each_step_holds():
+    import re
+
+    for op in "+-":
+        for a in range(21):
+            for b in range(21 if op == "+" else a + 1):
+                text = data.columns(a, op, b)
+                head, steps = text.split(": ", 1)
+                assert head == f"{a} {op} {b}"
+                *facts, result = steps.split(", ")
+                assert int(result) == (a + b if op == "+" else a - b)
+                for fact in facts:  # every step is a true small equation
+                    lhs, rhs = fact.split(" = ")
+                    assert eval(lhs) == int(rhs) and all(len(n) <= 2 for n in re.findall(r"\d+", lhs))  # noqa: S307
+    gen = data.Generator(3)
+    for thinking in (True, False):
+        s = gen.sample("arithmetic", thinking)
+        assert data.check_text(s, s.full()[len(s.prompt()) :])
+
+
+def test_trailing_spaces_give_a_value_the_same_pieces_wherever_it_stands():
+    gen = data.Generator(2)
+    texts = [data.render_conversation(*gen.conversation()) for _ in range(200)]
+    tok = vocab.train_tokenizer(texts, 400, spaces="trailing")
+    value = tok.encode("lantern river").ids
+    # a question's value, a DSML argument, a quote and an answer's content: the value's pieces in each
+    for text in ("Repeat after me: lantern river", ">lantern river<", '"lantern river"', "</think>lantern river"):
+        ids = tok.encode(text).ids
+        assert any(ids[i : i + len(value)] == value for i in range(len(ids))), text
+        assert tok.decode(ids) == text
+    # GPT-2's split opens a word with the space before it: a frequent word's pieces after a space are not its
+    # pieces after `>`
+    lead = vocab.train_tokenizer(texts, 400)
+    assert lead.encode("the weather").ids[1:] != lead.encode(">weather").ids[1:]
+    assert tok.encode("the weather").ids[1:] == tok.encode(">weather").ids[1:]
+
+
+def test_facts_rows_score_each_result_and_are_the_ids_of_their_text():
+    from dsflash.train.fit import facts_batch
+
+    tok = Tokenizer.from_dir(packaged_dir(BUNDLES[DEMO].packaged))
+    tokens, mask = facts_batch(data.Generator(4), tok, 512, tok.token_to_id(vocab.PAD))
+    assert tokens.shape[0] > 1  # several rows packed
+    for row, scored in zip(tokens.tolist(), mask.tolist()):
+        end = row.index(tok.eos_id)
+        text = tok.decode(row[1:end])
+        assert row[0] == tok.bos_id and tok.encode(text) == row[1:end]  # pieces encoded one by one: the whole's ids
+        facts = [f.split(" = ") for f in text.split(", ")]
+        assert len(facts) >= 6 and all(eval(lhs) == int(rhs) for lhs, rhs in facts)  # noqa: S307
+        results = tok.decode([t for t, k in zip(row, scored) if k])
+        assert results == "".join(rhs for _, rhs in facts) + tok.decode([tok.eos_id]) and not any(scored[end + 1 :])

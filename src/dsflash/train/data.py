@@ -123,8 +123,16 @@ KNOWN_TOOLS = (WEATHER, CALCULATOR, TIME, SEARCH)
 class Generator:
     """Draws samples of every family; `held_out` switches every value pool to its held-out part."""
 
-    def __init__(self, seed: int, held_out: bool = False):
+    def __init__(
+        self,
+        seed: int,
+        held_out: bool = False,
+        weights: dict | None = None,
+        generic_calls: float = 0.0,
+    ):
         self.rng = random.Random(seed)
+        self.generic_calls = generic_calls
+        self.weights = weights or TRAIN_WEIGHTS  # of the families in training conversations
         self.held_out = held_out
         self.words = _split(_WORDS, held_out)
         self.cities = _split(_CITIES, held_out)
@@ -134,6 +142,12 @@ class Generator:
     # ---- values --------------------------------------------------------------------------------------------
     def phrase(self, lo: int = 2, hi: int = 5) -> str:
         return " ".join(self.word() for _ in range(self.rng.randint(lo, hi)))
+
+    def copy_value(self, lo: int = 2, hi: int = 8, numbers: float = 0.0) -> str:
+        """A phrase whose items are numbers (0-99999) with probability `numbers`: a number's repeated digits are
+        what copying by the previous token alone gets wrong (`45424`), as tool results ask of it."""
+        items = (str(self.rng.randint(0, 99999)) if self.rng.random() < numbers else self.word() for _ in range(hi))
+        return " ".join(list(items)[: self.rng.randint(lo, hi)])
 
     def word(self) -> str:
         return self.rng.choice(self.words) if self.held_out or self.rng.random() >= PSEUDO_SHARE else self._pseudo()
@@ -183,18 +197,50 @@ class Generator:
                 out.append(tool)
         return out
 
+    def drill(self) -> tuple[list[dict], None, bool]:
+        """A training conversation of 2-6 arithmetic exchanges alone (no system prompt, no tools): many worked
+        sums in few tokens."""
+        thinking, msgs = self.rng.random() < 0.5, []
+        for _ in range(self.rng.randint(2, 6)):
+            one = self._arithmetic(thinking)
+            msgs += [
+                one.messages[-1],
+                {"role": "assistant", "content": one.content, "reasoning_content": one.reasoning},
+            ]
+        return msgs, None, thinking
+
+    def facts(self, n: int) -> list[tuple[str, str]]:
+        """The small equations (left side with its `= `, result) of n worked sums' columns, in order: the
+        one-digit facts that every worked sum is made of, as the answers write them."""
+        out = []
+        for _ in range(n):
+            a, op, b, _ = self.operands()
+            for fact in columns(a, op, b).split(": ", 1)[1].split(", ")[:-1]:
+                lhs, rhs = fact.split(" = ")
+                out.append((f"{lhs} = ", rhs))
+        return out
+
+    def pick_tool(self, tools: list[dict]) -> dict:
+        """The tool a training question needs: a never-seen (generic) one with probability generic_calls where the
+        set has one (their parameter name must be read from the schema; a known tool's is always the same)."""
+        generic = [t for t in tools if t not in KNOWN_TOOLS]
+        if generic and self.rng.random() < self.generic_calls:
+            return self.rng.choice(generic)
+        return self.rng.choice(tools)
+
     def conversation(self) -> tuple[list[dict], list[dict] | None, bool]:
         """A training conversation: 1-4 exchanges of any family, assistant turns included (messages, tools,
         thinking). Several answers share one prompt, which matters most for the long tools prompt."""
         thinking = self.rng.random() < 0.6
-        tools = self.toolset() if self.rng.random() < 0.45 else None
+        offered = self.rng.random() < 0.45 and self.weights["tool_call"] + self.weights["tool_result"] > 0
+        tools = self.toolset() if offered else None
         msgs = self.system()
         # the families that must generalise (arithmetic, copying) weigh more than the fixed answers
-        weights = {**TRAIN_WEIGHTS, **({} if tools else {"tool_call": 0, "tool_result": 0})}
+        weights = {**self.weights, **({} if tools else {"tool_call": 0, "tool_result": 0})}
         for _ in range(self.rng.choice([1, 2, 3, 4])):
             family = self.rng.choices(FAMILIES, [weights[f] for f in FAMILIES])[0]
             if family in ("tool_call", "tool_result"):
-                q, args, name, result = self.question(self.rng.choice(tools))
+                q, args, name, result = self.question(self.pick_tool(tools))
                 call = {
                     "id": f"call_{len(msgs)}",
                     "type": "function",
@@ -241,8 +287,10 @@ class Generator:
             ["What is {a} {op} {b}?", "Compute {a} {op} {b}.", "How much is {a} {op} {b}?", "{a} {op} {b} = ?"]
         ).format(a=a, op=op, b=b)
         msgs, tools = self._ask(q)
-        eq = f"{a} {op} {b} = {c}"
-        return Sample("arithmetic", msgs, tools, thinking, f"{eq}.", f"{eq}.", expect={"content": str(c)})
+        # the content is the working in both modes: a finished thinking turn is rendered without its reasoning,
+        # as a chat-mode turn is, so a shorter thinking-mode content would teach chat mode to skip the working
+        steps = columns(a, op, b)
+        return Sample("arithmetic", msgs, tools, thinking, f"{steps}.", f"{steps}.", expect={"content": str(c)})
 
     def _repeat(self, thinking: bool) -> Sample:
         p = self.phrase()
@@ -346,6 +394,21 @@ class Generator:
             f"The result is {result}.",
             expect={"content": result},
         )
+
+
+def columns(a: int, op: str, b: int) -> str:
+    """The sum in columns, each step a small equation whose inputs stand just before it: the units, then the tens
+    with the carry; a difference whose units would go below zero adds the units to ten minus the subtrahend's
+    units instead (`13 - 5: 10 - 5 = 5, 3 + 5 = 8, 1 - 0 - 1 = 0, 8`), so no step is a fact that only one operand
+    pair shows. The result is the last number."""
+    ta, ua, tb, ub = a // 10, a % 10, b // 10, b % 10
+    c = a + b if op == "+" else a - b
+    if op == "+":
+        su = ua + ub
+        return f"{a} + {b}: {ua} + {ub} = {su}, {ta} + {tb} + {su // 10} = {ta + tb + su // 10}, {c}"
+    if ua >= ub:
+        return f"{a} - {b}: {ua} - {ub} = {ua - ub}, {ta} - {tb} = {ta - tb}, {c}"
+    return f"{a} - {b}: 10 - {ub} = {10 - ub}, {ua} + {10 - ub} = {ua + 10 - ub}, {ta} - {tb} - 1 = {ta - tb - 1}, {c}"
 
 
 def _hash(text: str) -> int:

@@ -28,29 +28,44 @@ from dsflash.text.chat import ASSISTANT
 from dsflash.text.token_map import compressed_token_map
 from dsflash.text.tokenizer import EOS, THINK_CLOSE, THINK_OPEN, Tokenizer
 from dsflash.train import vocab
-from dsflash.train.data import FAMILIES, Generator, check_text, render_conversation
+from dsflash.train.data import FAMILIES, TRAIN_WEIGHTS, Generator, check_text, render_conversation
 from dsflash.train.model import Drafts, Trainable, demo_config
 
 STAMP = "dsflash-demo.json"
 RECIPE = {
-    "version": 9,
+    "version": 11,
     "seed": 23,
-    "bpe_vocab": 448,
+    # a word keeps the space after it (vocab.train_tokenizer): a value's words are the same pieces in a question,
+    # an answer and a DSML argument
+    "bpe_vocab": 640,
+    "spaces": "trailing",
+    "family_weights": dict(TRAIN_WEIGHTS),
+    # share of training tool questions that need a never-seen tool where the set offers one (0: any tool alike)
+    "generic_calls": 0.6,
     "tokenizer_conversations": 4000,
-    # the first copy_steps train on copy rows only (induction forms there in ~300 steps; within chat data, whose
-    # copied values are a few tokens a conversation, it did not form in 2,000), the rest mix copy_tokens of
-    # them into every batch so that it stays
-    "copy_steps": 300,
+    # the first copy_steps train on copy rows only (induction forms there in ~300 steps with the 448-id leading-space
+    # tokenizer, later with this one's; within chat data, whose copied values are a few tokens a conversation, it did
+    # not form in 2,000), the rest mix copy_tokens of them into every batch so that it stays
+    "copy_steps": 400,
     "copy_tokens": 512,
-    "steps": 1500,
+    # share of a copy row's items that are numbers
+    "copy_numbers": 0.25,
+    # arithmetic drill conversations (worked sums, no system prompt or tools) beside every chat batch after the
+    # copy phase (v8's 256 left the single-digit tables half learnt)
+    "drill_tokens": 256,
+    # rows of the worked sums' one-digit steps (`4 - 1 = 3, 9 + 9 = 18, ...`, loss on each result) beside every chat
+    # batch after the copy phase: v10's wrong sums were wrong one-digit facts (`4 - 1 = 2`, `9 + 9 = 16`)
+    "facts_tokens": 384,
+    "steps": 1900,
     # the last dspark_steps also train the DSpark head, at up to dspark_anchors draft blocks of each chat batch
     # (its loss reaches only the stages: the backbone trains exactly as without it)
     "dspark_steps": 400,
     "dspark_anchors": 256,
     # then head_steps train the DSpark stages alone on the frozen backbone, each draft labelled with the backbone's
     # own greedy token there (what a verify accepts), at head_lr (cosine, head_warmup): v6's 400 joint steps left
-    # the head far from done (teacher-forced accepted per verify 1.57; 900 more head-only steps: 2.25)
-    "head_steps": 900,
+    # the head far from done (teacher-forced accepted per verify 1.57; 900 more head-only steps: 2.25; 600 here to
+    # keep the whole run within the hour)
+    "head_steps": 600,
     "head_lr": 3e-3,
     "head_warmup": 20,
     "batch_tokens": 1536,
@@ -122,18 +137,58 @@ class Batches:
         self.ready = [tensors([(ids, target_mask(ids, self.tok)) for ids in g], self.pad) for g in groups]
 
 
-def copy_batch(gen: Generator, tok: Tokenizer, budget: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy rows until `budget` tokens: BOS, a phrase of the generator's values, `<｜Assistant｜>`, the same phrase,
-    EOS; the loss mask covers the repetition and the EOS."""
-    assistant, rows = tok.token_to_id(ASSISTANT), []
+def packed(draw, budget: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows (ids, loss mask) from draw() until `budget` padded tokens."""
+    rows = []
     while True:
-        ids = tok.encode(gen.phrase(2, 8))
-        row = [tok.bos_id, *ids, assistant, *ids, tok.eos_id]
-        longest = max([len(row), *(len(r) for r, _ in rows)])
+        row = draw()
+        longest = max([len(row[0]), *(len(r) for r, _ in rows)])
         if rows and longest * (len(rows) + 1) > budget:
             break
-        rows.append((row, [i >= len(ids) + 2 for i in range(len(row))]))
+        rows.append(row)
     return tensors(rows, pad)
+
+
+def copy_batch(
+    gen: Generator, tok: Tokenizer, budget: int, pad: int, numbers: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy rows until `budget` tokens: BOS, a phrase of the generator's values (a share `numbers` of them numbers),
+    `<｜Assistant｜>`, the same phrase, EOS; the loss mask covers the repetition and the EOS."""
+    assistant = tok.token_to_id(ASSISTANT)
+
+    def row():
+        ids = tok.encode(gen.copy_value(2, 8, numbers))
+        return [tok.bos_id, *ids, assistant, *ids, tok.eos_id], [i >= len(ids) + 2 for i in range(2 * len(ids) + 3)]
+
+    return packed(row, budget, pad)
+
+
+def drill_batch(gen: Generator, tok: Tokenizer, budget: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arithmetic drill conversations (Generator.drill) until `budget` tokens, loss on the assistant turns."""
+
+    def row():
+        ids = tok.encode(render_conversation(*gen.drill()))
+        return ids, target_mask(ids, tok)
+
+    return packed(row, budget, pad)
+
+
+def facts_batch(gen: Generator, tok: Tokenizer, budget: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the steps of 3-5 worked sums (Generator.facts) until `budget` tokens: BOS, `lhs = result, ...`, EOS; the
+    loss on each result and the EOS. The pieces are encoded one by one, which the pre-tokenizer's split at every
+    digit and punctuation run makes the same ids as the whole row."""
+
+    def row():
+        ids, mask = [tok.bos_id], [False]
+        for lhs, rhs in gen.facts(gen.rng.randint(3, 5)):
+            for text, scored in ((lhs, False), (rhs, True), (", ", False)):
+                piece = tok.encode(text)
+                ids += piece
+                mask += [scored] * len(piece)
+        ids[-len(tok.encode(", ")) :] = [tok.eos_id]
+        return ids, mask[: len(ids) - 1] + [True]
+
+    return packed(row, budget, pad)
 
 
 def draft_anchors(mask: torch.Tensor, beta: int, cap: int, rng: random.Random) -> list[tuple[int, int]]:
@@ -159,12 +214,13 @@ def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
     seed = recipe["seed"]
     random.seed(seed)
     torch.manual_seed(seed)
-    t0 = time.perf_counter()
-    gen = Generator(seed)
+    t0, c0 = time.perf_counter(), time.process_time()
+    gen = Generator(seed, weights=recipe["family_weights"], generic_calls=recipe["generic_calls"])
     texts = [render_conversation(*gen.conversation()) for _ in range(recipe["tokenizer_conversations"])]
     work = Path(tempfile.mkdtemp(prefix=".demo-"))
     try:
-        vocab.save(vocab.train_tokenizer(texts, recipe["bpe_vocab"]), work / "tokenizer")
+        tokenizer = vocab.train_tokenizer(texts, recipe["bpe_vocab"], spaces=recipe["spaces"])
+        vocab.save(tokenizer, work / "tokenizer")
         tok = Tokenizer.from_dir(work / "tokenizer")
         token_map = compressed_token_map(tok.backend)
         config = demo_config(tok.vocab_size, max(token_map) + 1, tok.token_to_id(vocab.NOISE), tok.bos_id, tok.eos_id)
@@ -188,10 +244,15 @@ def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
         backbone, stages = model.parameters(draft=False), model.parameters(draft=True)
         anchor_rng = random.Random(seed)  # its own stream: the backbone's data are those of a run without drafts
         for step in range(steps):
-            parts = [copy_batch(gen, tok, recipe["batch_tokens"] if step < recipe["copy_steps"] else
-                                recipe["copy_tokens"], pad)]  # fmt: skip
+            copying = recipe["batch_tokens"] if step < recipe["copy_steps"] else recipe["copy_tokens"]
+            parts = [copy_batch(gen, tok, copying, pad, recipe["copy_numbers"])] if copying else []
             if step >= recipe["copy_steps"]:
-                parts.append(chats())
+                if recipe["drill_tokens"]:
+                    parts.append(drill_batch(gen, tok, recipe["drill_tokens"], pad))
+                if recipe["facts_tokens"]:
+                    parts.append(facts_batch(gen, tok, recipe["facts_tokens"], pad))
+                if recipe["batch_tokens"]:
+                    parts.append(chats())
             picked, wanted, draft_loss, drafted = [], [], 0.0, None
             weights = model.weights()  # the stored weights once for the step's forwards
             for k, (tokens, mask) in enumerate(parts):
@@ -213,22 +274,25 @@ def train(out: Path, recipe: dict = RECIPE, log=print) -> dict:
             opt.step()
             sched.step()
             if step % 20 == 0 or step == steps - 1:
-                copied = (picked[0].argmax(-1) == wanted[0]).float().mean().item()
-                line = f"step {step} loss {loss.item():.3f} copy accuracy {copied:.2f}"
+                line = f"step {step} loss {loss.item():.3f}"
+                if copying:
+                    line += f" copy accuracy {(picked[0].argmax(-1) == wanted[0]).float().mean().item():.2f}"
                 if drafted is not None:
                     line += f" draft loss {draft_loss.item():.3f} draft top-1 {drafted:.2f}"
-                log(f"{line} {time.perf_counter() - t0:.0f}s")
+                log(f"{line} {time.perf_counter() - t0:.0f}s ({time.process_time() - c0:.0f} CPU s)")
         train_head(model, chats, cfg, recipe, random.Random(seed + 1), t0, log)
         train_s = time.perf_counter() - t0
         model_dir = work / "model"
         write_checkpoint(config, model_dir, seed=seed, tokenizer_dir=work / "tokenizer", values=model.values())
-        acc = evaluate(model_dir, recipe["eval_per_family"], recipe["eval_seed"], log=log)
+        n, eval_seed = recipe["eval_per_family"], recipe["eval_seed"]
+        acc = evaluate(model_dir, n, eval_seed, log=log)
+        drafts = evaluate_drafts(model, tok, n, eval_seed, log=log) if recipe["dspark_steps"] else None
         stamp = {
             "recipe": recipe_hash(recipe),
             **recipe,
             "train_seconds": round(train_s),
             "held_out_accuracy": acc,
-            "dspark": evaluate_drafts(model, tok, recipe["eval_per_family"], recipe["eval_seed"], log=log),
+            "dspark": drafts,
         }
         (model_dir / STAMP).write_text(json.dumps(stamp, indent=2) + "\n")
         if out.exists():

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsflash.text.tokenizer import BOS, EOS, V41
 from dsflash.text.tokenizer import Tokenizer as V41Tokenizer
@@ -28,14 +28,32 @@ def reference_added() -> list[AddedToken]:
     return [AddedToken(t.content, special=t.special, normalized=False) for _, t in sorted(real.items())]
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    """BPE of `vocab_size` ordinary tokens (bytes + merges, BOS/EOS/pad first) plus the real added tokens."""
+# a word keeps the one space after it, digits stand alone, a run of punctuation keeps its space, other blanks
+# stand alone: a value's words are the same pieces wherever it stands (see train_tokenizer)
+TRAILING = r"\p{L}+ ?|\p{N}|[^\s\p{L}\p{N}]+ ?|\s+"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, spaces: str = "leading") -> Tokenizer:
+    """BPE of `vocab_size` ordinary tokens (bytes + merges, BOS/EOS/pad first) plus the real added tokens.
+
+    spaces: "leading" splits text as GPT-2 does, a space opening the word after it (` Oslo`); "trailing" closes a
+    word with the space after it (`Oslo ` inside a phrase, `Oslo` before punctuation or a marker), so a value copied
+    from a question into an answer or a DSML argument is the same pieces in both (after `: ` or `in `, then after
+    `>` or `</think>`), which with leading spaces it is not for its first word."""
     added = reference_added()
     splitter = re.compile("|".join(re.escape(t.content) for t in sorted(added, key=lambda t: -len(t.content))))
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+    if spaces == "trailing":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(TRAILING), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
