@@ -25,7 +25,7 @@ PER_FAMILY = 2  # the training script measures the full held-out set; this is a 
 SEED = 2024  # not the training script's evaluation seed: other held-out prompts
 
 
-def older_store(cache: Path, tmp: Path) -> Path:
+def older_store(cache: Path, tmp: Path) -> None:
     """The packaged model's store as an earlier release leaves it in the cache: built from other files of the model
     (here its config.json with one more newline), where the packaged directory's store goes."""
     older = tmp / "older-demo"
@@ -35,7 +35,6 @@ def older_store(cache: Path, tmp: Path) -> Path:
     where = store_dir(choose(DEMO).source, cache)
     where.parent.mkdir(parents=True, exist_ok=True)
     shutil.move(store_dir(older, cache), where)
-    return where
 
 
 @pytest.fixture(scope="module")
