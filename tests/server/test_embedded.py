@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from dsflash.checkpoint.index import Checkpoint
-from dsflash.service.catalog import DEMO, EMBEDDED, choose
+from dsflash.service.catalog import DEMO, EMBEDDED, choose, packaged_dir
 from dsflash.service.embedded import ensure_embedded
 from dsflash.text.token_map import compressed_token_map
 from dsflash.text.tokenizer import Tokenizer
@@ -45,3 +46,13 @@ def test_model_names_resolve():
     c = choose("rothgar/deepseek-v4.1-flash-p300x2", "p300x2-32k")
     assert (c.source, c.profile.context) == ("deepseek-ai/DeepSeek-V4.1-Flash@2cba9e42", 33792)
     assert choose("org/name@abc").source == "org/name@abc" and choose("org/name@abc").model_id == "org/name"
+
+
+def test_our_models_are_known_by_their_files_not_by_how_they_are_named(tmp_path):
+    # ours: a release changes their files, so serve rebuilds their store instead of refusing it (as gates do)
+    assert choose(EMBEDDED).ours and choose(DEMO).ours
+    assert choose(str(packaged_dir("demo-v4.1"))).ours  # the packaged directory, served by its path
+    copy = tmp_path / "demo-copy"
+    shutil.copytree(packaged_dir("demo-v4.1"), copy)
+    assert not choose(str(copy)).ours  # a user's copy is theirs: a stale store is refused, as for any model
+    assert not choose("rothgar/deepseek-v4.1-flash-p300x2").ours and not choose("org/name@abc").ours

@@ -103,8 +103,9 @@ class ModelChoice:
     @property
     def ours(self) -> bool:
         """A model this package makes or ships (the generated and the packaged ones): its files change with a dsflash
-        release, and its small store is rebuilt rather than refused when it was built from older ones."""
-        return self.embedded or (self.bundle is not None and self.bundle.packaged is not None)
+        release, and its small store is rebuilt rather than refused when it was built from older ones. Decided by
+        the directory, as gates decide it: the packaged model served by its path is ours too."""
+        return self.embedded or (not _REPO_ID.match(self.source) and is_packaged(Path(self.source)))
 
     @property
     def slug(self) -> str:
