@@ -50,6 +50,19 @@ def test_held_out_values_never_appear_in_training_pools():
     assert {train.operands()[:3] for _ in range(300)}.isdisjoint({held.operands()[:3] for _ in range(100)})
 
 
+def test_invented_words_are_no_pool_word_and_half_are_training_words_spliced():
+    gen = data.Generator(3)
+    made = [gen._pseudo() for _ in range(400)]
+    pool = {w.lower() for w in data._split(data._WORDS, False) + data._split(data._WORDS, True)}
+    assert not set(made) & pool
+    # a splice starts as one training word and ends as another; random letters rarely do both
+    starts, ends = {a[:2] for a in gen.words}, {b[-2:] for b in gen.words}
+    spliced = [w for w in made if w[:2] in starts and w[-2:] in ends]
+    assert 0.4 * len(made) < len(spliced) < 0.7 * len(made)
+    held = data.Generator(3, held_out=True)
+    assert {held.word() for _ in range(100)} <= set(held.words)  # held-out values stay the held-out pool's words
+
+
 def test_the_loss_mask_covers_exactly_the_assistant_turns():
     tok = Tokenizer.from_dir(packaged_dir(BUNDLES[DEMO].packaged))
     msgs, tools, thinking = data.Generator(8).conversation()

@@ -21,6 +21,10 @@ TRAIN_WEIGHTS = {"arithmetic": 4, "repeat": 5, "tool_call": 4, "tool_result": 3,
 # training draws this share of its words and city names as random letter strings: a value no pool can hold, which
 # the model can only reproduce by copying it from the prompt (the held-out pools' words it never sees at all)
 PSEUDO_SHARE = 0.5
+# share of those made of two training words' pieces (`gar` + `ket`) rather than random letters: familiar pieces in an
+# order no pool word has, which is what a held-out word is to the model (v11 miscopied held-out words inside a word,
+# continuing the piece as some training word does)
+SPLICE_SHARE = 0.5
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 _WORDS = """
@@ -158,9 +162,14 @@ class Generator:
         return self._pseudo().capitalize()
 
     def _pseudo(self) -> str:
-        """Random letters (3-8) that are no word of either pool."""
+        """A word of neither pool: random letters (3-8), or (SPLICE_SHARE) the start of one training word and the end
+        of another, at least two letters each."""
         while True:
-            w = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 8)))
+            if self.rng.random() < SPLICE_SHARE:
+                a, b = self.rng.choice(self.words), self.rng.choice(self.words)
+                w = a[: self.rng.randint(2, len(a) - 1)] + b[self.rng.randint(1, len(b) - 2) :]
+            else:
+                w = "".join(self.rng.choice(_LETTERS) for _ in range(self.rng.randint(3, 8)))
             if w not in _POOLS:
                 return w
 
@@ -202,11 +211,7 @@ class Generator:
         sums in few tokens."""
         thinking, msgs = self.rng.random() < 0.5, []
         for _ in range(self.rng.randint(2, 6)):
-            one = self._arithmetic(thinking)
-            msgs += [
-                one.messages[-1],
-                {"role": "assistant", "content": one.content, "reasoning_content": one.reasoning},
-            ]
+            msgs += self._exchange(self._arithmetic(thinking))
         return msgs, None, thinking
 
     def facts(self, n: int) -> list[tuple[str, str]]:
@@ -262,12 +267,13 @@ class Generator:
                     },
                 ]
                 continue
-            one = getattr(self, f"_{family}")(thinking)
-            msgs += [
-                one.messages[-1],
-                {"role": "assistant", "content": one.content, "reasoning_content": one.reasoning},
-            ]
+            msgs += self._exchange(getattr(self, f"_{family}")(thinking))
         return msgs, tools, thinking
+
+    @staticmethod
+    def _exchange(one: Sample) -> list[dict]:
+        """A sample's question and its answer as two turns of a longer conversation."""
+        return [one.messages[-1], {"role": "assistant", "content": one.content, "reasoning_content": one.reasoning}]
 
     # ---- families ----------------------------------------------------------------------------------------
     def sample(self, family: str | None = None, thinking: bool | None = None) -> Sample:
