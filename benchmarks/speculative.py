@@ -38,6 +38,7 @@ from dsflash.runtime.scheduler.queue import GenerationRequest  # noqa: E402
 from dsflash.runtime.scheduler.sampler import SamplingParams  # noqa: E402
 from dsflash.runtime.spec import EngineSpec  # noqa: E402
 from dsflash.runtime.tp.launch import start_engine  # noqa: E402
+from dsflash.service.catalog import is_packaged  # noqa: E402
 from engine_decode import open_model  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "src" / "dsflash" / "data" / "demo-v4.1"
@@ -172,7 +173,14 @@ def with_head(name: str, model_dir: Path, args, families: bool) -> None:
     sets = {"random ids": [[int(t) for t in rng.integers(3, cfg.vocab_size - 1, 24)] for _ in range(args.prompts)]}
     if families:
         sets["task families"] = family_prompts(model_dir, args.prompts)
-    common = dict(threads=args.threads, cache_dir=str(CACHE / "stores"), prefix_cache=False, expert_format="bfp8_b")
+    # the packaged demo's store is replaced when a release changed its weights, as serve and gates replace it
+    common = dict(
+        threads=args.threads,
+        cache_dir=str(CACHE / "stores"),
+        prefix_cache=False,
+        expert_format="bfp8_b",
+        rebuild_store=is_packaged(model_dir),
+    )
     max_len = max(len(p) for ps in sets.values() for p in ps) + args.tokens + 8
     plain_runner = start_engine(ckpt, token_map, max_len, EngineSpec(**common))
     spec_runner = start_engine(ckpt, token_map, max_len, EngineSpec(speculative="dspark", **common))
