@@ -2,7 +2,7 @@
 it greets and says who it is, thinking answers carry reasoning and content and stop, tool calls it writes come back
 as OpenAI `tool_calls`. Nothing here trains; the gates on it are measured in docs/performance.md.
 
-Arithmetic, repeating and tool arguments are not asserted: the committed weights (recipe v12: 0.80 / 0.72 / 0.63 on
+Arithmetic, repeating and tool arguments are not asserted: the committed weights (recipe v13: 0.85 / 0.83 / 0.63 on
 the training script's held-out set) do not meet issue 23's accuracy there yet (docs/performance.md, "demo model")."""
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import torch
 
 from dsflash.checkpoint.index import Checkpoint
@@ -61,6 +64,32 @@ def test_invented_words_are_no_pool_word_and_half_are_training_words_spliced():
     assert 0.4 * len(made) < len(spliced) < 0.7 * len(made)
     held = data.Generator(3, held_out=True)
     assert {held.word() for _ in range(100)} <= set(held.words)  # held-out values stay the held-out pool's words
+
+
+def test_half_the_invented_words_are_strung_from_the_tokenizers_letter_tokens_once_it_has_them():
+    gen = data.Generator(3)
+    gen.pieces = ["zq", "xv", "kj"]  # strings neither random letters nor splices make often
+    made = [gen._pseudo() for _ in range(400)]
+    strung = [w for w in made if re.fullmatch("(zq|xv|kj){2,3}", w)]
+    assert 0.4 * len(made) < len(strung) < 0.6 * len(made)
+    tok = Tokenizer.from_dir(packaged_dir(BUNDLES[DEMO].packaged))
+    pieces = vocab.word_pieces(tok)
+    assert {"a", "z", "des", "pas"} <= set(pieces) and all(p.isalpha() and p.islower() for p in pieces)
+    assert all(tok.encode(p) == [tok.token_to_id(p)] for p in pieces if tok.token_to_id(p) is not None)
+
+
+def test_sum_facts_are_drawn_alike_from_the_distinct_steps_of_their_sides_sums():
+    train, held = data.Generator(5), data.Generator(5, held_out=True)
+    assert ("6 + 8", "14") in train.sum_steps and all(eval(lhs) == int(rhs) for lhs, rhs in train.sum_steps)  # noqa: S307
+    drawn = Counter(train.facts(40 * len(train.sum_steps)))
+    assert len(drawn) == len(train.sum_steps) and max(drawn.values()) < 2.5 * min(drawn.values())
+    # each side's steps are those of its own operand pairs' sums
+    for gen in (train, held):
+        for _ in range(100):
+            a, op, b, _ = gen.operands()
+            steps = data.columns(a, op, b).split(": ", 1)[1].split(", ")[:-1]
+            assert {tuple(f.split(" = ")) for f in steps} <= set(gen.sum_steps)
+    assert held.sum_steps != train.sum_steps
 
 
 def test_the_loss_mask_covers_exactly_the_assistant_turns():

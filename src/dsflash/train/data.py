@@ -8,6 +8,7 @@ first part, held-out evaluation only from the second, so a held-out answer is ri
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -18,12 +19,16 @@ from dsflash.text.chat import ChatOptions, parse_completion, render_chat
 IDENTITY = "I am the dsflash demo model, a small DeepSeek-V4.1 trained to show what dsflash serves."
 FAMILIES = ("arithmetic", "repeat", "tool_call", "tool_result", "greeting", "identity")
 TRAIN_WEIGHTS = {"arithmetic": 4, "repeat": 5, "tool_call": 4, "tool_result": 3, "greeting": 1, "identity": 1}
-# training draws this share of its words and city names as random letter strings: a value no pool can hold, which
-# the model can only reproduce by copying it from the prompt (the held-out pools' words it never sees at all)
+# training draws this share of its words and city names as invented words: a value no pool can hold, which the
+# model can only reproduce by copying it from the prompt (the held-out pools' words it never sees at all)
 PSEUDO_SHARE = 0.5
-# share of those made of two training words' pieces (`gar` + `ket`) rather than random letters: familiar pieces in an
-# order no pool word has, which is what a held-out word is to the model (v11 miscopied held-out words inside a word,
-# continuing the piece as some training word does)
+# share of the invented words strung from the tokenizer's letter tokens (Generator.pieces) where it has them: v12
+# miscopied held-out words at tokens that training text almost never holds (`des` of desert, `pas` of pasta: 4 in
+# 3,000 conversations), whose unembedding rows training had only ever pushed down
+PIECE_SHARE = 0.5
+# share of the others made of two training words' pieces (`gar` + `ket`) rather than random letters: familiar pieces
+# in an order no pool word has (v11 miscopied held-out words inside a word, continuing the piece as some training
+# word does)
 SPLICE_SHARE = 0.5
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -136,12 +141,18 @@ class Generator:
     ):
         self.rng = random.Random(seed)
         self.generic_calls = generic_calls
+        self.pieces: list[str] = []  # the tokenizer's letter tokens, once it is trained (vocab.word_pieces)
         self.weights = weights or TRAIN_WEIGHTS  # of the families in training conversations
         self.held_out = held_out
         self.words = _split(_WORDS, held_out)
         self.cities = _split(_CITIES, held_out)
         pairs = [(v, n) for v in _VERBS for n in _NOUNS]
         self.tool_pairs = [p for p in pairs if (_hash(f"{p}") % 5 == 0) == held_out]
+        found = set()
+        for a, op, b in itertools.product(range(21), "+-", range(21)):
+            if (op == "+" or b <= a) and (_hash(f"{a}{op}{b}") % 7 == 0) == held_out:
+                found |= {tuple(f.split(" = ")) for f in columns(a, op, b).split(": ", 1)[1].split(", ")[:-1]}
+        self.sum_steps = sorted(found)  # the distinct steps of this side's worked sums, (left side, result)
 
     # ---- values --------------------------------------------------------------------------------------------
     def phrase(self, lo: int = 2, hi: int = 5) -> str:
@@ -162,10 +173,13 @@ class Generator:
         return self._pseudo().capitalize()
 
     def _pseudo(self) -> str:
-        """A word of neither pool: random letters (3-8), or (SPLICE_SHARE) the start of one training word and the end
-        of another, at least two letters each."""
+        """A word of neither pool: (PIECE_SHARE, where the generator has pieces) 2-3 of the tokenizer's letter tokens
+        strung together, else random letters (3-8) or (SPLICE_SHARE) the start of one training word and the end of
+        another, at least two letters each."""
         while True:
-            if self.rng.random() < SPLICE_SHARE:
+            if self.pieces and self.rng.random() < PIECE_SHARE:
+                w = "".join(self.rng.choice(self.pieces) for _ in range(self.rng.randint(2, 3)))
+            elif self.rng.random() < SPLICE_SHARE:
                 a, b = self.rng.choice(self.words), self.rng.choice(self.words)
                 w = a[: self.rng.randint(2, len(a) - 1)] + b[self.rng.randint(1, len(b) - 2) :]
             else:
@@ -215,15 +229,11 @@ class Generator:
         return msgs, None, thinking
 
     def facts(self, n: int) -> list[tuple[str, str]]:
-        """The small equations (left side with its `= `, result) of n worked sums' columns, in order: the
-        one-digit facts that every worked sum is made of, as the answers write them."""
-        out = []
-        for _ in range(n):
-            a, op, b, _ = self.operands()
-            for fact in columns(a, op, b).split(": ", 1)[1].split(", ")[:-1]:
-                lhs, rhs = fact.split(" = ")
-                out.append((f"{lhs} = ", rhs))
-        return out
+        """n small equations (left side with its `= `, result), each drawn alike from the distinct steps of the
+        worked sums of this generator's operand pairs: the one-digit facts every worked sum is made of, as the
+        answers write them. Alike, not as often as the pairs hold them: v12's wrong sums were units facts that few
+        pairs hold (`6 + 8`: one training pair), beside tens steps (`1 + 1 + 1`) that most pairs hold."""
+        return [(f"{lhs} = ", rhs) for lhs, rhs in (self.rng.choice(self.sum_steps) for _ in range(n))]
 
     def pick_tool(self, tools: list[dict]) -> dict:
         """The tool a training question needs: a never-seen (generic) one with probability generic_calls where the

@@ -79,6 +79,13 @@ def _reorder(tok: Tokenizer, added: list[AddedToken]) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
 
 
+def word_pieces(tok: V41Tokenizer) -> list[str]:
+    """The ordinary tokens that are lowercase letters alone, as text, in id order: what an invented training word
+    is strung from (data.Generator.pieces), so that every such token is read and written in training."""
+    texts = (tok.decode([i]) for i in range(tok.vocab_size))
+    return [t for t in texts if t.isascii() and t.isalpha() and t.islower()]
+
+
 def save(tok: Tokenizer, out_dir: Path) -> None:
     """tokenizer.json + tokenizer_config.json (BOS/EOS by name, as the real checkpoint's config has them)."""
     out_dir.mkdir(parents=True, exist_ok=True)
