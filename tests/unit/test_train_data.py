@@ -163,6 +163,9 @@ def test_arithmetic_columns_end_at_the_result_and_each_step_holds():
                 for fact in facts:  # every step is a true small equation
                     lhs, rhs = fact.split(" = ")
                     assert eval(lhs) == int(rhs) and all(len(n) <= 2 for n in re.findall(r"\d+", lhs))  # noqa: S307
+    # a difference always borrows, and carries the units' tens back: no answer decides whether to borrow
+    assert data.columns(17, "-", 7) == "17 - 7: 10 - 7 = 3, 7 + 3 = 10, 1 - 0 - 1 + 1 = 1, 10"
+    assert data.columns(14, "-", 5) == "14 - 5: 10 - 5 = 5, 4 + 5 = 9, 1 - 0 - 1 + 0 = 0, 9"
     gen = data.Generator(3)
     for thinking in (True, False):
         s = gen.sample("arithmetic", thinking)

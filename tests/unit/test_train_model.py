@@ -37,10 +37,14 @@ def trained_view(tmp_path):
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal but for FP8 activation rounding: the dense and gathered attention sum in other orders, and a value on
-    a rounding boundary of the window KV's FP8 can land one step apart (a few 1e-3 downstream, at a few positions);
-    a wrong window, position or bias moves logits by O(1) everywhere."""
-    diff = (got - want).abs()
-    assert diff.max() < 5e-2 and diff.mean() < 1e-3, (float(diff.max()), float(diff.mean()))
+    a rounding boundary of the window KV's FP8 can land one step apart (up to ~1e-2 downstream, at a few positions),
+    or once in a while tip a near-tie of a top-k choice (a routed expert, an indexer pick), which moves that one
+    position's logits by up to O(1) (seen on an AMD EPYC: one position of 60 at 0.7); a wrong window, position or
+    bias moves logits by O(1) everywhere."""
+    diff = (got - want).abs().reshape(-1, got.shape[-1])
+    off = diff.amax(-1) > 5e-2
+    assert int(off.sum()) <= max(1, len(off) // 20), diff.amax(-1).tolist()
+    assert diff[~off].max() < 5e-2 and diff[~off].mean() < 5e-3, (float(diff[~off].max()), float(diff[~off].mean()))
 
 
 def test_the_training_forward_and_its_drafts_are_what_the_checkpoint_serves(tmp_path):
@@ -79,8 +83,7 @@ def test_the_draft_loss_reaches_only_the_dspark_stages(tmp_path):
     _, draft_logits, confidence = view.forward(tokens, drafts)
     (torch.nn.functional.cross_entropy(draft_logits, drafts.labels) + confidence.sum()).backward()
     stages, backbone = view.parameters(draft=True), view.parameters(draft=False)
-    # the experts' matrices are quantized as one stack (Trainable.weights): the backbone's get zeros through it
-    assert all(t.grad is None or not t.grad.any() for t in backbone)
+    assert all(t.grad is None for t in backbone)
     assert sum(t.grad is not None and bool(t.grad.abs().sum() > 0) for t in stages) > 0.9 * len(stages)
 
 

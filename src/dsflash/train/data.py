@@ -150,7 +150,7 @@ class Generator:
         self.tool_pairs = [p for p in pairs if (_hash(f"{p}") % 5 == 0) == held_out]
         found = set()
         for a, op, b in itertools.product(range(21), "+-", range(21)):
-            if (op == "+" or b <= a) and (_hash(f"{a}{op}{b}") % 7 == 0) == held_out:
+            if (op == "+" or b <= a) and _held_out_pair(a, op, b) == held_out:
                 found |= {tuple(f.split(" = ")) for f in columns(a, op, b).split(": ", 1)[1].split(", ")[:-1]}
         self.sum_steps = sorted(found)  # the distinct steps of this side's worked sums, (left side, result)
 
@@ -188,13 +188,13 @@ class Generator:
                 return w
 
     def operands(self) -> tuple[int, str, int, int]:
-        """(a, op, b, result); held-out pairs are those whose hash is 0 mod 7."""
+        """(a, op, b, result) of this side's operand pairs (_held_out_pair)."""
         while True:
             op = self.rng.choice("+-")
             a, b = self.rng.randint(0, 20), self.rng.randint(0, 20)
             if op == "-" and b > a:
                 a, b = b, a
-            if (_hash(f"{a}{op}{b}") % 7 == 0) == self.held_out:
+            if _held_out_pair(a, op, b) == self.held_out:
                 return a, op, b, a + b if op == "+" else a - b
 
     def system(self) -> list[dict]:
@@ -414,17 +414,24 @@ class Generator:
 
 def columns(a: int, op: str, b: int) -> str:
     """The sum in columns, each step a small equation whose inputs stand just before it: the units, then the tens
-    with the carry; a difference whose units would go below zero adds the units to ten minus the subtrahend's
-    units instead (`13 - 5: 10 - 5 = 5, 3 + 5 = 8, 1 - 0 - 1 = 0, 8`), so no step is a fact that only one operand
-    pair shows. The result is the last number."""
+    with the carry. A difference always borrows: the units are the minuend's units plus ten minus the subtrahend's,
+    whose tens digit (0 or 1) carries back into the tens (`17 - 7: 10 - 7 = 3, 7 + 3 = 10, 1 - 0 - 1 + 1 = 1, 10`),
+    as a sum's carry does; so no step is a fact that only one operand pair shows, and no answer has to decide whether
+    to borrow (v13 decided wrongly for 14 - 5, 15 - 6 and 17 - 7, whose units pairs no training pair holds). The
+    result is the last number."""
     ta, ua, tb, ub = a // 10, a % 10, b // 10, b % 10
     c = a + b if op == "+" else a - b
     if op == "+":
         su = ua + ub
         return f"{a} + {b}: {ua} + {ub} = {su}, {ta} + {tb} + {su // 10} = {ta + tb + su // 10}, {c}"
-    if ua >= ub:
-        return f"{a} - {b}: {ua} - {ub} = {ua - ub}, {ta} - {tb} = {ta - tb}, {c}"
-    return f"{a} - {b}: 10 - {ub} = {10 - ub}, {ua} + {10 - ub} = {ua + 10 - ub}, {ta} - {tb} - 1 = {ta - tb - 1}, {c}"
+    x = 10 - ub
+    u = ua + x
+    return f"{a} - {b}: 10 - {ub} = {x}, {ua} + {x} = {u}, {ta} - {tb} - 1 + {u // 10} = {ta - tb - 1 + u // 10}, {c}"
+
+
+def _held_out_pair(a: int, op: str, b: int) -> bool:
+    """Whether an operand pair is held out (its hash is 0 mod 7)."""
+    return _hash(f"{a}{op}{b}") % 7 == 0
 
 
 def _hash(text: str) -> int:

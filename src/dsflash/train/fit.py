@@ -33,7 +33,7 @@ from dsflash.train.model import Drafts, Trainable, demo_config
 
 STAMP = "dsflash-demo.json"
 RECIPE = {
-    "version": 13,
+    "version": 15,
     "seed": 23,
     # a word keeps the space after it (vocab.train_tokenizer): a value's words are the same pieces in a question,
     # an answer and a DSML argument
@@ -368,7 +368,8 @@ def load(model_dir: Path) -> tuple[Tokenizer, Transformer, ResidentExperts]:
     return tok, model.eval(), experts
 
 
-def greedy(model: Transformer, experts, prompt: list[int], eos: int, max_new: int = 80) -> list[int]:
+def greedy(model: Transformer, experts, prompt: list[int], eos: int, max_new: int = 128) -> list[int]:
+    """Greedy tokens through EOS, at most max_new (a thinking-mode difference, worked twice, takes ~100)."""
     state = model.new_state(len(prompt) + max_new)
     logits = model(torch.tensor([prompt]), 0, state, experts, last_only=True)
     out: list[int] = []

@@ -227,10 +227,11 @@ class Trainable:
         cfg, block = self.cfg, self.cfg.fp8_block
         params = {n: stored(p, self.specs[n].row.fmt, block) for n, p in self.dense.items()}
         # the experts' matrices quantized stacked, a call per shape instead of one per matrix (the math is per
-        # group of 32 along a row: the same values)
+        # group of 32 along a row: the same values); the backbone's apart from the DSpark stages', so that the draft
+        # loss reaches no backbone leaf through a stack
         fp4_of = {}
-        for shape in {t.shape for t in self.leaves.values()}:
-            names = [n for n, t in self.leaves.items() if t.shape == shape]
+        for group in {(t.shape, n.startswith("mtp.")) for n, t in self.leaves.items()}:
+            names = [n for n, t in self.leaves.items() if (t.shape, n.startswith("mtp.")) == group]
             fp4_of |= zip(names, stored(torch.stack([self.leaves[n] for n in names]), "fp4", block).unbind())
         routed = {key: tuple(fp4_of[n] for n in names) for key, names in self.experts.items()}
         return params, ResidentExperts(routed, cfg.swiglu_limit)
