@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 
@@ -187,6 +188,15 @@ def test_trailing_spaces_give_a_value_the_same_pieces_wherever_it_stands():
     lead = vocab.train_tokenizer(texts, 400)
     assert lead.encode("the weather").ids[1:] != lead.encode(">weather").ids[1:]
     assert tok.encode("the weather").ids[1:] == tok.encode(">weather").ids[1:]
+
+
+def test_the_packaged_demo_was_trained_by_the_tracked_recipe():
+    # the stamp's hash covers the recipe and every source of dsflash.train: an edit there without a new training run
+    # would ship weights that the tracked script no longer makes
+    from dsflash.train import fit
+
+    stamp = json.loads((packaged_dir(BUNDLES[DEMO].packaged) / fit.STAMP).read_text())
+    assert stamp["recipe"] == fit.recipe_hash() and stamp["version"] == fit.RECIPE["version"]
 
 
 def test_facts_rows_score_each_result_and_are_the_ids_of_their_text():
