@@ -44,7 +44,7 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     diff = (got - want).abs().reshape(-1, got.shape[-1])
     off = diff.amax(-1) > 5e-2
     assert int(off.sum()) <= max(1, len(off) // 20), diff.amax(-1).tolist()
-    assert diff[~off].max() < 5e-2 and diff[~off].mean() < 5e-3, (float(diff[~off].max()), float(diff[~off].mean()))
+    assert diff[~off].mean() < 5e-3, float(diff[~off].mean())  # the other positions: each under 5e-2 by `off`
 
 
 def test_the_training_forward_and_its_drafts_are_what_the_checkpoint_serves(tmp_path):
